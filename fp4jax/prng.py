@@ -1,0 +1,72 @@
+"""Counter-based random bits: the same bits from (key, element index) in jnp and in a GPU kernel.
+
+Stochastic rounding needs one uniform number per element. `jax.random` cannot be reproduced inside a Pallas
+kernel (Mosaic GPU has no PRNG primitive), so fp4jax draws its bits from a stateless integer hash of
+(seed, counter), built from uint32 multiply/xor/shift only. A kernel that knows the element's flat index in the
+*original* (un-transposed) tensor computes the identical bits, whatever layout it writes.
+
+The hash is two rounds of the murmur3 32-bit finaliser keyed by the two seed words. It is not
+cryptographic; it is equidistributed enough for rounding (tests/test_prng.py checks the mean, variance and
+bit balance). Counters wrap at 2**32 elements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+_GOLDEN = 0x9E3779B9
+# Distinct streams drawn from one key, folded into the first seed word.
+STREAM_ELEMENT_SR = 0
+STREAM_SCALE_SR = 1
+STREAM_HADAMARD_SIGNS = 2
+
+
+def _u32(v):
+  return jnp.uint32(v)
+
+
+def fmix32(h):
+  """murmur3's 32-bit finaliser (a bijection on uint32)."""
+  h = h ^ (h >> 16)
+  h = h * _u32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * _u32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return h
+
+
+def seed_words(key: jax.Array, stream: int = STREAM_ELEMENT_SR) -> tuple[jax.Array, jax.Array]:
+  """Two uint32 seed words from a JAX PRNG key (typed or raw uint32[2]) and a stream id."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  data = jnp.asarray(key, jnp.uint32).reshape(-1)
+  k0, k1 = data[0], data[-1]
+  k0 = fmix32(k0 ^ _u32((stream * 0x632BE5AB + 0x1B873593) & 0xFFFFFFFF))
+  return k0, k1
+
+
+def hash_bits(k0, k1, counter):
+  """uint32 random bits for uint32 `counter` values under seed words (k0, k1)."""
+  c = counter.astype(jnp.uint32)
+  h = fmix32(c * _u32(_GOLDEN) ^ k0)
+  h = fmix32(h ^ k1)
+  return h
+
+
+def uniform_from_bits(bits):
+  """float32 uniform in [0, 1) from the top 24 bits (exact: multiples of 2**-24)."""
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def flat_index(shape: tuple[int, ...]) -> jax.Array:
+  """uint32 row-major flat index of every element of an array of `shape`."""
+  return jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...], stream: int = STREAM_ELEMENT_SR) -> jax.Array:
+  """Uniform [0, 1) float32 per element of `shape`, indexed by row-major flat position."""
+  k0, k1 = seed_words(key, stream)
+  return uniform_from_bits(hash_bits(k0, k1, flat_index(shape)))
