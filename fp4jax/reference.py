@@ -5,26 +5,69 @@ The formulas are docs/NUMERICS.md's. Everything here is jit-able and runs on any
 Conventions (the contract the kernels reproduce):
   * Blocks run along `axis`; the result's layout is K-major (`fp4jax.qtensor.QTensor`).
   * Arithmetic is float32 whatever the input dtype (bf16 / f16 / f32 inputs are upcast exactly).
-  * Powers of two are built by exponent arithmetic (`jnp.ldexp`, `jnp.frexp`), never `exp2`/`log2`.
+  * Powers of two are built by exponent bit arithmetic, never `exp2`/`log2`.
+  * A "scale unit" is what one scale covers: a 1-D block, or a 2-D tile (`tile_2d`).
+  * MXFP4: E from the unit amax's float32 exponent bits; "ocp": E = floor(log2 amax) - 2; "noclip": the
+    smallest E with amax / 2^E <= 6. E is clamped to [-127, 127]; a zero unit gets scale byte 0 (2^-127) and
+    zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / (6 * 2^E) < clip_fraction,
+    i.e. when the no-clip scale leaves more than that fraction of the E2M1 range unused.
+  * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max);
+    s_b = e4m3_RN(min(amax_b * (S_enc * fp32(1/6)), 448)) (TE's order); enc_b = S_enc / s_b (0 when s_b = 0);
+    q = E2M1(clamp(x * enc_b, +-6)); outer = 1 / S_enc, so dequantized = q * s_b * outer.
+  * 4/6: per unit, s_b for target maxima 6 and 4 as above, keep the one whose RNE codes have the lower sum of
+    squared errors (ties -> 6). The error is measured in the S_enc-scaled dequantized domain,
+    (q * s_b - x * S_enc)^2, so neither tiny nor huge tensors over/underflow it; with rounding="sr" the choice is
+    still made on the RNE codes, so it does not depend on the random draws and SR stays unbiased.
+  * Tile-local NVFP4: rows = all non-quantized positions of the K-major layout, flattened; each run of
+    `tile_rows` rows (the last may be shorter) uses its own amax in the NVFP4 formula; outer is per row.
   * Stochastic rounding draws its uniform for element i from `fp4jax.prng` with counter = i's row-major flat
-    index in the *original* array, stream `STREAM_ELEMENT_SR`: round up iff u < (v - lo) / (hi - lo).
-  * Non-finite input: a block holding NaN or +-Inf gets a NaN scale (E8M0 0xFF, E4M3 0x7F) and zero codes, so it
-    dequantizes to NaN; a non-finite tensor amax makes the global NVFP4 factor NaN. Never finite garbage.
+    index in the *original* array, stream `STREAM_ELEMENT_SR`: round up iff u < (|v| - lo) / (hi - lo).
+  * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): NUMERICS.md's steps; sums over a 128-element group are pairwise
+    halving trees (`_tree_sum`), and the scale's SR uses stream `STREAM_SCALE_SR` with counter = the block's
+    row-major flat index in the K-major scales array. s_dec = amax * fp32(1 / (255.99 * val_max)) (1 when
+    amax = 0, at least float32 tiny), s_b = e4m3_RN(amax_g * fp32(1 / val_max) / s_dec).
+  * Divisions are correctly rounded IEEE divisions by a computed value (`_div`); a constant divisor is written as
+    a multiplication by its float32 reciprocal. XLA's simplifier rewrites x / c into x * (1 / c) and
+    a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU), so `_div` hides the divisor
+    behind an optimization barrier; kernels must divide exactly too.
+  * Sums that decide something (4/6 errors, EDEN's correction) are pairwise halving trees in a fixed order; a
+    2-D tile is summed along the original array's columns first, then its rows, so both orientations agree.
+  * Non-finite input: a scale unit holding NaN or +-Inf gets a NaN scale (E8M0 0xFF, E4M3 0x7F) and zero codes,
+    so it dequantizes to NaN; a non-finite tensor (or row-tile) amax makes outer NaN and every scale it governs
+    NaN with zero codes. Never finite garbage.
+  * Huge finite values saturate (no inf scales); tiny blocks keep their values where the format can hold them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import prng
-from fp4jax.formats import E2M1_MAX, E2M1_VALUES, FORMATS, get_format
+from fp4jax.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, FormatSpec, get_format
 from fp4jax.qtensor import QTensor, pack_codes
 
 ROUNDINGS = ("rne", "sr", "eden")
+SCALE_RULES = ("ocp", "noclip")
 
 # Midpoints between neighbouring E2M1 magnitudes; a tie at midpoint i goes up iff i is odd (to the even code).
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:]))
+
+_E8M0_NAN = 0xFF
+_E4M3_NAN = 0x7F
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+# MS-EDEN constants (Quartet II backward): the scaled block max targets val_max = 6 / s_o.
+EDEN_GROUP = 128
+EDEN_SCALE_OVERSHOOT = (17 / 16) * 0.93
+EDEN_VAL_MAX = E2M1_MAX / EDEN_SCALE_OVERSHOOT
+EDEN_AMAX_DIV = 255.99
 
 
 def e2m1_encode_rne(v: jax.Array) -> jax.Array:
@@ -37,27 +80,387 @@ def e2m1_encode_rne(v: jax.Array) -> jax.Array:
   return code | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
 
 
+def e2m1_encode_sr(v: jax.Array, u: jax.Array) -> jax.Array:
+  """uint8 E2M1 codes of float32 `v` (|v| <= 6) by stochastic rounding with float32 uniforms `u` in [0, 1).
+
+  Between neighbouring grid magnitudes lo < hi: up iff u < (|v| - lo) / (hi - lo) (a power-of-two divisor, so
+  the probability is exact in float32).
+  """
+  mag = jnp.abs(v)
+  lo_code = jnp.zeros(v.shape, jnp.uint8)
+  for g in E2M1_VALUES[1:]:
+    lo_code = lo_code + (mag >= g).astype(jnp.uint8)
+  table = jnp.asarray(E2M1_VALUES, jnp.float32)
+  lo = table[lo_code.astype(jnp.int32)]
+  hi = table[jnp.minimum(lo_code + 1, 7).astype(jnp.int32)]
+  p = jnp.where(hi > lo, _div(mag - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
+  code = lo_code + (u < p).astype(jnp.uint8)
+  return code | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
+
+
 def e2m1_decode(codes: jax.Array) -> jax.Array:
   """float32 values of uint8 E2M1 codes."""
   table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
   return table[(codes & jnp.uint8(0xF)).astype(jnp.int32)]
 
 
+def e4m3_rn(v: jax.Array) -> jax.Array:
+  """float8_e4m3fn of float32 `v` in [0, 448], round-to-nearest-even."""
+  return v.astype(jnp.float8_e4m3fn)
+
+
+def e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
+  """float8_e4m3fn of float32 `t` in [0, 448] by stochastic rounding between the neighbouring E4M3 values."""
+  r = e4m3_rn(t)
+  rb = jax.lax.bitcast_convert_type(r, jnp.uint8)
+  above = r.astype(jnp.float32) > t
+  lo_b = jnp.where(above, rb - 1, rb)
+  hi_b = jnp.where(above, rb, jnp.minimum(rb + 1, 0x7E))
+  lo = jax.lax.bitcast_convert_type(lo_b, jnp.float8_e4m3fn).astype(jnp.float32)
+  hi = jax.lax.bitcast_convert_type(hi_b, jnp.float8_e4m3fn).astype(jnp.float32)
+  p = jnp.where(hi > lo, _div(t - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
+  return jax.lax.bitcast_convert_type(jnp.where(u < p, hi_b, lo_b), jnp.float8_e4m3fn)
+
+
+def pow2(e: jax.Array) -> jax.Array:
+  """float32 2**e for int32 e in [-126, 127], built from the exponent bits (exact on every backend)."""
+  return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32), jnp.float32)
+
+
+def _div(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a / b, correctly rounded: the barrier stops XLA from rewriting it into a multiplication by 1 / b."""
+  return a / jax.lax.optimization_barrier(b)
+
+
+def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
+  """Sum along `axis` (a power-of-two length) by halving: a[:n/2] + a[n/2:], repeated. A fixed order."""
+  axis = axis % a.ndim
+  while a.shape[axis] > 1:
+    h = a.shape[axis] // 2
+    a = jax.lax.slice_in_dim(a, 0, h, axis=axis) + jax.lax.slice_in_dim(a, h, 2 * h, axis=axis)
+  return jnp.squeeze(a, axis)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale units (a 1-D block of `spec.block` elements, or a block x block tile), per-format scale methods.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  """The static options of one quantize call, after validation and defaults."""
+  spec: FormatSpec
+  axis: int  # non-negative, in the original array
+  rounding: str
+  scale_rule: str | None
+  tile_2d: bool
+  clip_fraction: float | None
+  tile_rows: int
+
+
+class _Result(NamedTuple):
+  codes: jax.Array  # uint8 [..., nb, B], unpacked
+  scales: jax.Array  # [..., nb]
+  outer: jax.Array | None
+  bad: jax.Array  # bool [..., nb]: the unit's scale is NaN and its codes zero
+
+
+def _unit_max(a: jax.Array, cfg: _Cfg) -> jax.Array:
+  """Max of `a` [..., nb, B] over each scale unit, one value per block: [..., nb]."""
+  m = jnp.max(a, axis=-1)  # [..., nb]
+  if not cfg.tile_2d:
+    return m
+  r, nb = m.shape
+  b = cfg.spec.block
+  t = jnp.max(m.reshape(r // b, b, nb), axis=1, keepdims=True)  # [R/b, 1, nb]
+  return jnp.broadcast_to(t, (r // b, b, nb)).reshape(r, nb)
+
+
+def _unit_sum(a: jax.Array, cfg: _Cfg) -> jax.Array:
+  """Sum of `a` [..., nb, B] over each scale unit in a fixed order that both tile orientations share."""
+  if not cfg.tile_2d:
+    return _tree_sum(a, -1)
+  r, nb, b = a.shape
+  t = a.reshape(r // b, b, nb, b)  # [tile row, row in tile, block, element]
+  # Along the original array's columns first: K-major rows when axis == 0, block elements when axis == 1.
+  s = _tree_sum(_tree_sum(t, 1), 2) if cfg.axis == 0 else _tree_sum(_tree_sum(t, 3), 1)  # [R/b, nb]
+  return jnp.broadcast_to(s[:, None, :], (r // b, b, nb)).reshape(r, nb)
+
+
+def _unit_nonfinite(xb: jax.Array, cfg: _Cfg) -> jax.Array:
+  return _unit_max((~jnp.isfinite(xb)).astype(jnp.uint8), cfg) > 0
+
+
+def _amax(a: jax.Array, axis=None) -> jax.Array:
+  """max |a|, NaN when anything is non-finite (an Inf must not look like a finite amax)."""
+  m = jnp.max(jnp.abs(a), axis=axis)
+  return jnp.where(jnp.all(jnp.isfinite(a), axis=axis), m, jnp.nan)
+
+
+def _encode(v: jax.Array, cfg: _Cfg, u: jax.Array | None) -> jax.Array:
+  v = jnp.clip(v, -E2M1_MAX, E2M1_MAX)
+  return _ENCODERS[cfg.rounding](v, u)
+
+
+_ENCODERS: dict[str, Callable] = {
+    "rne": lambda v, u: e2m1_encode_rne(v),
+    "sr": e2m1_encode_sr,
+}
+
+
+def _mx_exponent(amax: jax.Array, cfg: _Cfg) -> jax.Array:
+  """int32 E8M0 exponent per unit from the float32 bits of the unit amax (>= 0)."""
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+  biased = (bits >> 23).astype(jnp.int32)  # floor(log2 amax) + 127 for a normal amax
+  mant = bits & jnp.uint32(0x7FFFFF)
+  e = biased - 129  # OCP: floor(log2 amax) - 2, so amax / 2^e in [4, 8)
+  if cfg.scale_rule == "noclip":
+    e = e + (mant > 0x400000).astype(jnp.int32)  # amax / 2^e = 4 * 1.mant > 6: one step coarser
+  if cfg.clip_fraction is not None:
+    m1 = jax.lax.bitcast_convert_type(mant | jnp.uint32(127 << 23), jnp.float32)  # 1.mant in [1, 2)
+    ratio = m1 * pow2(biased - 127 - e)  # amax / 2^e, exact
+    e = e - (ratio < jnp.float32(E2M1_MAX * cfg.clip_fraction)).astype(jnp.int32)
+  # A zero or subnormal amax (biased 0) gets the smallest scale, 2^-127.
+  return jnp.where(biased == 0, -127, jnp.clip(e, -127, 127))
+
+
+def _quantize_mx(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
+  """MXFP4: E8M0 scale 2^E per unit, x / 2^E encoded to E2M1."""
+  del key, tensor_amax
+  bad = _unit_nonfinite(xb, cfg)
+  e = _mx_exponent(jnp.where(bad, 0.0, _unit_max(jnp.abs(xb), cfg)), cfg)  # [..., nb]
+  v = xb * pow2(jnp.maximum(-e, -126))[..., None]  # exact: a power-of-two multiplier
+  return _Result(_encode(v, cfg, u), (e + 127).astype(jnp.uint8), None, bad)
+
+
+def _tensor_amax(xk: jax.Array, cfg: _Cfg, tensor_amax) -> jax.Array:
+  """One amax for the whole tensor: shape ()."""
+  if tensor_amax is not None:
+    return jnp.asarray(tensor_amax, jnp.float32).reshape(())
+  return _amax(xk)
+
+
+def _row_tile_amax(xk: jax.Array, cfg: _Cfg, tensor_amax) -> jax.Array:
+  """One amax per run of `tile_rows` rows of the K-major layout, repeated per row: shape xk.shape[:-1]."""
+  del tensor_amax
+  lead, n = xk.shape[:-1], xk.shape[-1]
+  rows = math.prod(lead)
+  tiles = -(-rows // cfg.tile_rows)
+  row_amax = _amax(xk.reshape(rows, n), axis=-1)  # [R]
+  padded = jnp.pad(row_amax, (0, tiles * cfg.tile_rows - rows))
+  tile_amax = jnp.max(padded.reshape(tiles, cfg.tile_rows), axis=-1)  # [T]; NaN propagates
+  tile_amax = jnp.where(jnp.isnan(padded.reshape(tiles, cfg.tile_rows)).any(-1), jnp.nan, tile_amax)
+  return jnp.repeat(tile_amax, cfg.tile_rows)[:rows].reshape(lead)
+
+
+_OUTER_AMAX: dict[str, Callable] = {"tensor": _tensor_amax, "row_tile": _row_tile_amax}
+
+
+def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
+  """S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max; NaN stays NaN)."""
+  s = _div(jnp.float32(scale_max * E2M1_MAX), jnp.where(amax == 0, 1.0, amax))
+  return jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))
+
+
+def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float) -> jax.Array:
+  """E4M3 block scale aiming the block max at `v_max`: e4m3_RN(min(amax_b * (S_enc * fp32(1/v_max)), 448))."""
+  return e4m3_rn(jnp.minimum(amax_b * (s_enc * jnp.float32(1 / v_max)), E4M3_MAX))
+
+
+def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
+  """x * enc_b with enc_b = S_enc / s_b (0 when s_b = 0), in E2M1 units, clamped to +-6."""
+  sf = s_b.astype(jnp.float32)
+  enc = jnp.where(sf == 0, 0.0, jnp.minimum(_div(s_enc, jnp.where(sf == 0, 1.0, sf)), _F32_MAX))
+  return jnp.clip(xb * enc[..., None], -E2M1_MAX, E2M1_MAX)
+
+
+def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg) -> jax.Array:
+  """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error."""
+  target = xb * s_enc[..., None]  # [..., nb, B]: x in the S_enc-scaled domain
+
+  def err(s_b):
+    q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, s_enc)))
+    return _unit_sum(jnp.square(q * s_b.astype(jnp.float32)[..., None] - target), cfg)
+
+  s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0), _nv_block_scale(amax_b, s_enc, 4.0)
+  return jnp.where(err(s4) < err(s6), s4, s6)
+
+
+def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
+  """NVFP4 (global, 4/6 or tile-local): E4M3 block scales under an FP32 outer factor 1 / S_enc."""
+  del key
+  spec = cfg.spec
+  xk = xb.reshape(*xb.shape[:-2], -1)  # [..., n]
+  amax = _OUTER_AMAX[spec.outer](xk, cfg, tensor_amax)  # () or [...]
+  s_enc = nvfp4_encode_scale(amax, spec.scale_max)
+  s_enc_b = s_enc if s_enc.ndim == 0 else s_enc[..., None]  # broadcasts against [..., nb]
+  bad = _unit_nonfinite(xb, cfg) | ~jnp.isfinite(s_enc_b)
+  amax_b = jnp.where(bad, 0.0, _unit_max(jnp.abs(xb), cfg))  # [..., nb]
+  s_enc_b = jnp.where(bad, 1.0, s_enc_b)
+  if spec.four_over_six:
+    s_b = _four_over_six(xb, amax_b, s_enc_b, cfg)
+  else:
+    s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX)
+  codes = _encode(_nv_scaled(xb, s_b, s_enc_b), cfg, u)
+  outer = jnp.where(jnp.isfinite(s_enc), _div(jnp.float32(1.0), s_enc), jnp.nan)
+  return _Result(codes, s_b, outer, bad)
+
+
+def _quantize_eden(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
+  """MS-EDEN (Quartet II): RTN codes, E4M3 scales corrected per 128 group and rounded stochastically."""
+  del u
+  lead, nb, b = xb.shape[:-2], xb.shape[-2], xb.shape[-1]
+  amax = _tensor_amax(xb, cfg, tensor_amax)
+  s_dec = amax * jnp.float32(1 / (EDEN_AMAX_DIV * EDEN_VAL_MAX))
+  s_dec = jnp.where(amax == 0, 1.0, jnp.maximum(s_dec, _F32_TINY))
+  per_group = EDEN_GROUP // b
+  bad = _unit_nonfinite(xb, cfg)
+  bad = jnp.repeat(bad.reshape(*lead, nb // per_group, per_group).any(-1), per_group, axis=-1)
+  bad = bad | ~jnp.isfinite(s_dec)
+  amax_b = jnp.where(bad, 0.0, jnp.max(jnp.abs(xb), axis=-1))  # [..., nb]
+  s_b = e4m3_rn(jnp.minimum(_div(amax_b * jnp.float32(1 / EDEN_VAL_MAX), s_dec), E4M3_MAX)).astype(jnp.float32)
+  s_b = jnp.where(s_b == 0, 1.0, s_b)
+  ys = _div(xb, (s_b * s_dec)[..., None])  # [..., nb, B]
+  codes = e2m1_encode_rne(ys)
+  q = e2m1_decode(codes)
+  groups = (*lead, nb // per_group, EDEN_GROUP)
+  num = _tree_sum(jnp.square(ys).reshape(groups), -1)  # [..., n / 128]
+  den = _tree_sum((ys * q).reshape(groups), -1)
+  c = jnp.where(den == 0, 1.0, _div(num, jnp.where(den == 0, 1.0, den)))
+  t = jnp.minimum(s_b * jnp.repeat(c, per_group, axis=-1), E4M3_MAX)  # [..., nb]
+  t = jnp.where(bad, 1.0, t)
+  k0, k1 = prng.seed_words(key, prng.STREAM_SCALE_SR)
+  scales = e4m3_sr(t, prng.uniform_from_bits(prng.hash_bits(k0, k1, prng.flat_index(t.shape))))
+  return _Result(codes, scales, jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan), bad)
+
+
+_METHODS: dict[str, Callable[..., _Result]] = {"e8m0": _quantize_mx, "e4m3": _quantize_nv, "eden": _quantize_eden}
+_NAN_SCALE_BITS = {"e8m0": _E8M0_NAN, "e4m3": _E4M3_NAN}
+
+
+def _check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows,
+           tensor_amax) -> _Cfg:
+  """Validates a quantize call and fills in defaults."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize needs a floating-point input, got {x.dtype=}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"unknown {rounding=}; valid roundings: {ROUNDINGS}")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"{axis=} is out of range for an input of {x.shape=}")
+  axis %= x.ndim
+  n, block = x.shape[axis], spec.block
+  if n % block:
+    raise ValueError(f"quantized axis length {n=} (x.shape={x.shape}, {axis=}) must be a multiple of the "
+                     f"{spec.name} {block=}")
+  if rounding in ("sr", "eden") and key is None:
+    raise ValueError(f"{rounding=} draws random bits and needs a key")
+  if rounding == "eden":
+    if spec.name != "nvfp4":
+      raise ValueError(f"rounding='eden' (MS-EDEN) needs fmt='nvfp4', got fmt={spec.name!r}")
+    if tile_2d:
+      raise ValueError("rounding='eden' works on 1-D blocks only; tile_2d=True is not supported")
+    if n % EDEN_GROUP:
+      raise ValueError(f"rounding='eden' corrects scales per {EDEN_GROUP}-element group: {n=} must be a "
+                       f"multiple of {EDEN_GROUP}")
+  if tile_2d:
+    if x.ndim != 2:
+      raise ValueError(f"tile_2d needs a 2-D input, got {x.shape=}")
+    m = x.shape[1 - axis]
+    if m % block:
+      raise ValueError(f"tile_2d: the other axis {m=} (x.shape={x.shape}) must be a multiple of the "
+                       f"{block}x{block} tile")
+  if spec.scale == "e8m0":
+    if scale_rule is None:
+      scale_rule = "noclip" if (rounding == "sr" or tile_2d) else "ocp"
+    if scale_rule not in SCALE_RULES:
+      raise ValueError(f"unknown {scale_rule=}; valid rules: {SCALE_RULES}")
+    if tensor_amax is not None:
+      raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
+  else:
+    if scale_rule is not None or clip_fraction is not None:
+      raise ValueError(f"{scale_rule=} and {clip_fraction=} apply to mxfp4 only, not fmt={spec.name!r}")
+    if tensor_amax is not None and spec.outer != "tensor":
+      raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
+  if clip_fraction is not None and not 0 < clip_fraction <= 1:
+    raise ValueError(f"{clip_fraction=} must lie in (0, 1]")
+  if tile_rows < 1:
+    raise ValueError(f"{tile_rows=} must be positive")
+  return _Cfg(spec, axis, rounding, scale_rule, bool(tile_2d), clip_fraction, int(tile_rows))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "axis", "rounding", "scale_rule", "tile_2d",
+                                             "clip_fraction", "tile_rows"))
 def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str = "rne",
-             key: jax.Array | None = None, **options) -> QTensor:
-  """Quantizes `x` to FP4 along `axis`. See the module docstring and docs/NUMERICS.md."""
-  raise NotImplementedError("filled in by the numerics-core work")
+             key: jax.Array | None = None, scale_rule: str | None = None, tile_2d: bool = False,
+             clip_fraction: float | None = None, tile_rows: int = 128,
+             tensor_amax: jax.Array | None = None) -> QTensor:
+  """Quantizes `x` to FP4 along `axis` (see the module docstring and docs/NUMERICS.md).
+
+  Args:
+    x: floating-point array (bf16 / f16 / f32), any rank; `x.shape[axis]` a multiple of the format's block.
+    fmt: a key of `fp4jax.formats.FORMATS`.
+    axis: the quantized (contraction) axis; it becomes the last axis of the K-major result.
+    rounding: "rne", "sr" (stochastic; needs `key`) or "eden" (MS-EDEN, fmt "nvfp4", input already rotated,
+      axis length a multiple of 128; needs `key`).
+    key: JAX PRNG key for "sr" / "eden".
+    scale_rule: mxfp4 only: "ocp" or "noclip"; default "noclip" for SR and 2-D tiles, else "ocp".
+    tile_2d: 2-D inputs only: one scale per block x block tile, the same for both orientations.
+    clip_fraction: mxfp4 only: Hu's bounded clipping (0.87), one exponent finer when amax / (6 * 2^E) is below it.
+    tile_rows: rows per tile of "nvfp4_tile".
+    tensor_amax: a precomputed amax for the tensor scale (global NVFP4 / EDEN); computed from `x` when None.
+
+  Returns:
+    QTensor with K-major codes `[..., n // 2]`, scales `[..., n // block]` and the format's outer factor.
+  """
+  spec = get_format(fmt)
+  cfg = _check(x, spec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows, tensor_amax)
+  xk = jnp.moveaxis(x.astype(jnp.float32), cfg.axis, -1)  # [..., n]
+  lead, n = xk.shape[:-1], xk.shape[-1]
+  xb = xk.reshape(*lead, n // spec.block, spec.block)  # [..., nb, B]
+  u = None
+  if rounding == "sr":
+    counters = jnp.moveaxis(prng.flat_index(x.shape), cfg.axis, -1).reshape(xb.shape)
+    k0, k1 = prng.seed_words(key, prng.STREAM_ELEMENT_SR)
+    u = prng.uniform_from_bits(prng.hash_bits(k0, k1, counters))
+  method = "eden" if rounding == "eden" else spec.scale
+  res = _METHODS[method](xb, cfg, u=u, key=key, tensor_amax=tensor_amax)
+  codes = jnp.where(res.bad[..., None], jnp.uint8(0), res.codes).reshape(*lead, n)
+  nan_scale = jax.lax.bitcast_convert_type(jnp.uint8(_NAN_SCALE_BITS[spec.scale]), spec.scale_dtype)
+  scales = jnp.where(res.bad, nan_scale, res.scales.astype(spec.scale_dtype))
+  return QTensor(pack_codes(codes), scales, res.outer, fmt=spec.name, axis=cfg.axis, shape=tuple(x.shape))
 
 
+@jax.jit
+def encode_like(x: jax.Array, like: QTensor) -> QTensor:
+  """RNE-encodes `x` (shaped like `like.shape`) onto the scales and outer factor of an existing QTensor.
+
+  v = x / (scale * outer) per block. Values that `like` represents come back as `like`'s own codes, whatever
+  rounding produced them; blocks whose scale is NaN get zero codes.
+  """
+  spec = like.spec
+  xk = jnp.moveaxis(x.astype(jnp.float32), like.axis, -1)  # [..., n]
+  lead, n = xk.shape[:-1], xk.shape[-1]
+  scale = _decode_scales(like.scales, spec)  # [..., nb]
+  if like.outer is not None:
+    scale = scale * (like.outer if like.outer.ndim == 0 else like.outer[..., None])
+  v = _div(xk.reshape(*lead, n // spec.block, spec.block), scale[..., None])
+  codes = jnp.where(jnp.isnan(scale)[..., None], jnp.uint8(0), e2m1_encode_rne(jnp.clip(v, -E2M1_MAX, E2M1_MAX)))
+  return dataclasses.replace(like, codes=pack_codes(codes.reshape(*lead, n)))
+
+
+def _decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
+  """float32 block scales: 2^(s - 127) for E8M0 (255 -> NaN), the E4M3 value otherwise."""
+  if spec.scale == "e8m0":
+    s = scales.astype(jnp.int32)
+    return jnp.where(s == _E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), s - 127))
+  return scales.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   """The values a QTensor stands for, in the original shape, as `dtype`."""
   spec = q.spec
   vals = e2m1_decode(q.unpacked_codes())  # [..., n]
-  if spec.scale == "e8m0":
-    s = q.scales.astype(jnp.int32)
-    scale = jnp.where(s == 255, jnp.nan, jnp.ldexp(jnp.float32(1.0), s - 127))
-  else:
-    scale = q.scales.astype(jnp.float32)
+  scale = _decode_scales(q.scales, spec)
   vals = (vals.reshape(*vals.shape[:-1], -1, spec.block) * scale[..., None]).reshape(vals.shape)
   if q.outer is not None:
     outer = q.outer if q.outer.ndim == 0 else q.outer[..., None]

@@ -1,0 +1,287 @@
+"""fp4jax.reference.quantize against an independent numpy implementation, bit for bit, plus its properties."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_ref  # tests/numpy_ref.py: pytest puts tests/ on sys.path
+import pytest
+
+from fp4jax.hadamard import hadamard
+from fp4jax import reference as ref
+
+KEY = jax.random.key(7)
+
+# (id, fmt, options): every format x rounding x tile option the reference supports.
+CONFIGS = [
+    ("mx_ocp", "mxfp4", {}),
+    ("mx_noclip", "mxfp4", {"scale_rule": "noclip"}),
+    ("mx_sr", "mxfp4", {"rounding": "sr"}),
+    ("mx_2d", "mxfp4", {"tile_2d": True}),
+    ("mx_2d_clip", "mxfp4", {"tile_2d": True, "clip_fraction": 0.87}),
+    ("mx_2d_sr", "mxfp4", {"tile_2d": True, "rounding": "sr"}),
+    ("nv", "nvfp4", {}),
+    ("nv_sr", "nvfp4", {"rounding": "sr"}),
+    ("nv_2d", "nvfp4", {"tile_2d": True}),
+    ("nv_2d_sr", "nvfp4", {"tile_2d": True, "rounding": "sr"}),
+    ("nv_eden", "nvfp4", {"rounding": "eden"}),
+    ("nv46", "nvfp4_46", {}),
+    ("nv46_sr", "nvfp4_46", {"rounding": "sr"}),
+    ("nv46_2d", "nvfp4_46", {"tile_2d": True}),
+    ("nvtile", "nvfp4_tile", {"tile_rows": 48}),  # 128 rows: a ragged last tile
+    ("nvtile_sr", "nvfp4_tile", {"tile_rows": 48, "rounding": "sr"}),
+    ("nvtile_2d", "nvfp4_tile", {"tile_rows": 48, "tile_2d": True}),
+]
+CONFIG_IDS = [c[0] for c in CONFIGS]
+
+
+SHAPE = (128, 128)  # one shape everywhere, so the tests share compiled quantizers
+
+
+def _inputs(shape=SHAPE) -> dict[str, np.ndarray]:
+  """Fresh random inputs of several distributions plus edge cases, all float32 of `shape`."""
+  rng = np.random.default_rng()
+  r, c = shape
+  normal = rng.standard_normal(shape)
+  spread = normal * np.exp2(np.linspace(0, 8, r))[:, None]
+  outliers = normal * np.where(rng.random(shape) < 0.01, rng.lognormal(4, 2, shape), 1.0)
+  # Every 16-block holds a 6 and E2M1 tie points, so with a block max of 6 (x 2^k per row) the scaled values
+  # land exactly on ties for both MX (scale 2^k) and NVFP4 (enc_b a power of two).
+  ties = np.tile([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, 0], (r, c // 16))
+  ties = ties * np.exp2((np.arange(r) % 5) - 2)[:, None]
+  edge = normal.copy()
+  edge[0:16] = 0.0  # zero blocks and tiles
+  edge[16:32] = 1.5  # all-equal
+  edge[32:48] *= 1e-30  # tiny
+  edge[48:64] = np.where(rng.random((16, c)) < 0.5, 3e38, -2.9e38)  # huge
+  huge = normal * 3e38 / np.abs(normal).max()
+  tiny = normal * 1e-30
+  nonfinite = normal.copy()
+  nonfinite[3, 5] = np.nan
+  nonfinite[r // 2 + 3, c - 7] = np.inf
+  nonfinite[r - 1, 1] = -np.inf
+  return {name: np.asarray(v, np.float32) for name, v in dict(
+      normal=normal, student_t=rng.standard_t(2, shape), outliers=outliers, spread=spread, ties=ties, edge=edge,
+      huge=huge, tiny=tiny, nonfinite=nonfinite).items()}
+
+
+def _q(x, fmt, **options):
+  """quantize with the options of CONFIGS (same key and tile_rows), so compiled versions are shared."""
+  if fmt == "nvfp4_tile":
+    options.setdefault("tile_rows", 48)
+  return ref.quantize(jnp.asarray(x), fmt, key=KEY, **options)
+
+
+def _bits(q):
+  scales = q.scales if q.scales.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+  return np.asarray(q.unpacked_codes()), np.asarray(scales)
+
+
+def _assert_matches_numpy(x, fmt, **kw):
+  q = _q(x, fmt, **kw)
+  codes, scales, outer = numpy_ref.quantize_np(np.asarray(jnp.asarray(x).astype(jnp.float32)), fmt, key=KEY, **kw)
+  got_codes, got_scales = _bits(q)
+  np.testing.assert_array_equal(got_scales, scales, err_msg=f"scales {fmt} {kw}")
+  np.testing.assert_array_equal(got_codes, codes, err_msg=f"codes {fmt} {kw}")
+  if outer is None:
+    assert q.outer is None
+  else:
+    np.testing.assert_array_equal(np.asarray(q.outer), outer, err_msg=f"outer {fmt} {kw}")
+
+
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS], ids=CONFIG_IDS)
+def test_matches_numpy(fmt, options, axis):
+  for name, x in _inputs().items():
+    _assert_matches_numpy(x, fmt, axis=axis, **options)
+
+
+@pytest.mark.parametrize("dtype,fmt,options", [
+    (jnp.bfloat16, "mxfp4", {"rounding": "sr"}), (jnp.bfloat16, "nvfp4_46", {}), (jnp.float16, "nvfp4", {}),
+    (jnp.float16, "nvfp4", {"rounding": "eden"})], ids=["bf16_mx_sr", "bf16_nv46", "f16_nv", "f16_eden"])
+def test_low_precision_inputs_match_numpy(dtype, fmt, options):
+  x = jnp.asarray(_inputs()["spread"] / 256, dtype)  # f16 range
+  _assert_matches_numpy(x, fmt, **options)
+
+
+@pytest.mark.parametrize("axis,fmt,options", [(0, "mxfp4", {"rounding": "sr"}), (1, "nvfp4_46", {}),
+                                               (2, "nvfp4_tile", {"tile_rows": 5, "rounding": "sr"})],
+                         ids=["mx_sr_axis0", "nv46_axis1", "nvtile_sr_axis2"])
+def test_3d_inputs_match_numpy(axis, fmt, options):
+  x = np.random.default_rng().standard_normal((32, 64, 32)).astype(np.float32)
+  _assert_matches_numpy(x, fmt, axis=axis, **options)
+
+
+def test_matches_numpy_eden_3d():
+  x = np.random.default_rng().standard_normal((2, 256, 3)).astype(np.float32)
+  _assert_matches_numpy(x, "nvfp4", axis=1, rounding="eden")
+
+
+def test_e2m1_rne_tie_points():
+  # NUMERICS.md: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; saturating at 6.
+  v = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -5.0, 1e9])
+  got = ref.e2m1_decode(ref.e2m1_encode_rne(v))
+  np.testing.assert_array_equal(got, [0, 1, 1, 2, 2, 4, 4, 6, -0.0, -4, 6])
+
+
+def test_e4m3_rounding_matches_ml_dtypes():
+  v = np.concatenate([np.linspace(0, 448, 20001), np.geomspace(2.0**-12, 448, 20001)]).astype(np.float32)
+  got = jax.lax.bitcast_convert_type(ref.e4m3_rn(jnp.asarray(v)), jnp.uint8)
+  np.testing.assert_array_equal(np.asarray(got), numpy_ref.e4m3_rn(v).view(np.uint8))
+
+
+def test_tile_2d_orientations_agree():
+  cases = [(SHAPE, "mxfp4", {}), (SHAPE, "mxfp4", {"clip_fraction": 0.87}), (SHAPE, "nvfp4", {}),
+           (SHAPE, "nvfp4", {"rounding": "sr"}), ((64, 96), "mxfp4", {"rounding": "sr"}), ((64, 96), "nvfp4_46", {})]
+  for shape, fmt, options in cases:
+    w = jnp.asarray(_inputs(shape)["outliers"])
+    a = _q(w, fmt, axis=0, tile_2d=True, **options)
+    b = _q(w, fmt, axis=-1, tile_2d=True, **options)
+    np.testing.assert_array_equal(a.unpacked_codes(), b.unpacked_codes().T)
+    np.testing.assert_array_equal(ref.dequantize(a), ref.dequantize(b))
+    # One scale per tile, written into every row of the tile.
+    block = a.spec.block
+    s = np.asarray(b.scales.astype(jnp.float32)).reshape(shape[0] // block, block, -1)
+    assert (s == s[:, :1]).all()
+
+
+def test_edge_values():
+  x = np.zeros(SHAPE, np.float32)
+  x[1] = 1e-30
+  x[2] = 3e38
+  x[3, :32] = np.nan
+  q = _q(x, "mxfp4")
+  np.testing.assert_array_equal(q.scales[0], 0)  # zero block: 2^-127
+  np.testing.assert_array_equal(q.unpacked_codes()[0], 0)
+  d = np.asarray(ref.dequantize(q))
+  np.testing.assert_allclose(d[1], 1e-30, rtol=0.25)  # tiny blocks keep their values
+  assert np.isfinite(d[2]).all() and (d[2] > 2e38).all()  # huge blocks saturate, no inf
+  assert np.isnan(d[3, :32]).all() and (d[3, 32:] == 0).all()
+  assert q.scales[3, 0] == 0xFF and (q.unpacked_codes()[3, :32] == 0).all()
+  for fmt in ["nvfp4", "nvfp4_46", "nvfp4_tile"]:
+    for scale in [1e-30, 3e38]:  # the tensor scale carries tiny and huge tensors
+      y = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+      y *= np.float32(scale) / np.abs(y).max()
+      d = np.asarray(ref.dequantize(_q(y, fmt)), np.float64)
+      assert np.isfinite(d).all()
+      y64 = y.astype(np.float64)
+      assert np.sum((d - y64) ** 2) <= 0.02 * np.sum(y64 ** 2), (fmt, scale)
+    q = _q(x, fmt)
+    assert np.isnan(np.broadcast_to(q.outer, SHAPE[:1])[3])  # outer per tensor or per row tile
+    assert np.isnan(np.asarray(ref.dequantize(q))[3]).all()
+
+
+@pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS], ids=CONFIG_IDS)
+def test_encode_like_reproduces_codes(fmt, options):
+  """Dequantized values re-encoded (RNE) onto their own scales give back the codes, whatever the rounding."""
+  q = _q(_inputs()["spread"], fmt, **options)
+  q2 = ref.encode_like(ref.dequantize(q), q)
+  np.testing.assert_array_equal(q2.codes, q.codes)
+
+
+@pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"],
+                         ids=[c[0] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"])
+def test_quantize_dequantize_is_a_projection(fmt, options):
+  """RNE quantization of values it produced is a fixed point.
+
+  MX: the same values bit for bit, and with the OCP rule the same codes and scales (the no-clip rule may pick a
+  finer scale for a block whose max rounded down to 3: the same values). NVFP4: the same codes and E4M3 scales;
+  the outer factor 1/S_enc may move by an ulp, since 1/(1/S) need not round back to S in float32.
+  """
+  q = _q(_inputs()["spread"], fmt, **options)
+  d = ref.dequantize(q)
+  q2 = _q(d, fmt, **options)
+  if q.spec.scale == "e8m0":
+    np.testing.assert_array_equal(ref.dequantize(q2), d)
+  if q.spec.scale == "e4m3" or options.get("scale_rule", "ocp") == "ocp" and not options.get("tile_2d"):
+    np.testing.assert_array_equal(q2.codes, q.codes)
+    np.testing.assert_array_equal(_bits(q2)[1], _bits(q)[1])
+  if q.outer is not None:
+    np.testing.assert_allclose(q2.outer, q.outer, rtol=2.5e-7)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_sr_is_unbiased(fmt):
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 64)), jnp.float32)
+  keys = jax.random.split(jax.random.key(3), 1024)
+  sr = jax.jit(jax.vmap(lambda k: ref.dequantize(ref.quantize(x, fmt, rounding="sr", key=k))))(keys)
+  rne = ref.dequantize(ref.quantize(x, fmt))
+  q = ref.quantize(x, fmt)
+  # Elements that clip (NVFP4's E4M3-rounded scale can put a block max above 6) are biased by design.
+  keep = np.ones(x.shape, bool) if fmt == "mxfp4" else np.asarray(jnp.abs(x) * _enc(q) <= 6)
+  ns = np.array([16, 64, 256, 1024])
+  err = [np.sqrt(np.mean((np.asarray(sr[:n].mean(0)) - np.asarray(x))[keep] ** 2)) for n in ns]
+  slope = np.polyfit(np.log(ns), np.log(err), 1)[0]
+  assert -0.6 < slope < -0.4, (err, slope)
+  assert np.mean((np.asarray(sr[0]) - x) ** 2) > np.mean((np.asarray(rne) - x) ** 2)
+
+
+def _enc(q):
+  """The NVFP4 encode multiplier per element of a [M, K] QTensor quantized along K."""
+  s = q.scales.astype(jnp.float32)
+  return jnp.repeat((1 / q.outer) / s, q.spec.block, axis=-1)
+
+
+def _rel_mse(d, x):
+  return float(jnp.sum((d - x) ** 2) / jnp.sum(x ** 2))
+
+
+@functools.lru_cache
+def _quartet_inputs(n=1024):
+  x = jax.random.normal(jax.random.key(0), (n, 128)) * jnp.exp2(jnp.linspace(0, 8, n))[:, None]
+  return hadamard(x, "rht128", key=jax.random.key(1)), jax.random.normal(jax.random.key(2), (n, 128))
+
+
+@jax.jit
+def _quartet_sr(y, key):
+  """Quartet II's SR baseline: E4M3 scales aimed at val_max = 6 / (17/16) so nothing clips (their code's
+  `scale_override`), global scale amax / 447.99 / val_max; unlike TE-style SR (`rounding="sr"`)."""
+  val_max = 6.0 * 16 / 17
+  s_dec = jnp.abs(y).max() / 447.99 / val_max
+  yb = y.reshape(y.shape[0], -1, 16)
+  s_b = (jnp.abs(yb).max(-1, keepdims=True) / val_max / s_dec).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  s_b = jnp.where(s_b == 0, 1.0, s_b)
+  u = jax.random.uniform(key, yb.shape)
+  q = ref.e2m1_decode(ref.e2m1_encode_sr(jnp.clip(yb / (s_b * s_dec), -6, 6), u))
+  return (q * s_b * s_dec).reshape(y.shape)
+
+
+def test_quartet2_reference_errors():
+  """NUMERICS.md "Reference results" (Quartet II table), within 5%."""
+  y, g = _quartet_inputs()
+  got = {
+      "rht_rtn": _rel_mse(ref.dequantize(ref.quantize(y, "nvfp4")), y),
+      "rht_sr": _rel_mse(_quartet_sr(y, KEY), y),
+      "rht_eden": _rel_mse(ref.dequantize(ref.quantize(y, "nvfp4", rounding="eden", key=KEY)), y),
+      "gauss_rtn": _rel_mse(ref.dequantize(ref.quantize(g, "nvfp4")), g),
+      "gauss_46": _rel_mse(ref.dequantize(ref.quantize(g, "nvfp4_46")), g),
+      "gauss_16x16": _rel_mse(ref.dequantize(ref.quantize(g, "nvfp4", tile_2d=True)), g),
+  }
+  want = dict(rht_rtn=9.0e-3, rht_sr=23.5e-3, rht_eden=9.8e-3, gauss_rtn=9.0e-3, gauss_46=7.6e-3,
+              gauss_16x16=12.4e-3)
+  for name in want:
+    assert abs(got[name] / want[name] - 1) < 0.05, (name, got[name], want[name])
+  # TE-style SR (block max aimed at 6, E4M3-rounded) has less error than Quartet's 17/16-headroom SR.
+  te_sr = _rel_mse(ref.dequantize(ref.quantize(y, "nvfp4", rounding="sr", key=KEY)), y)
+  assert got["rht_rtn"] < te_sr < got["rht_sr"]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: ref.quantize(x, "fp5"), "known formats"),
+    (lambda x: ref.quantize(x, "mxfp4", rounding="up"), "valid roundings"),
+    (lambda x: ref.quantize(x[:, :48], "mxfp4"), "multiple of the mxfp4 block=32"),
+    (lambda x: ref.quantize(x[:, :40], "nvfp4"), "multiple of the nvfp4 block=16"),
+    (lambda x: ref.quantize(x.reshape(2, 32, 64), "mxfp4", tile_2d=True), "2-D input"),
+    (lambda x: ref.quantize(x[:48], "mxfp4", axis=1, tile_2d=True), "other axis m=48"),
+    (lambda x: ref.quantize(x, "mxfp4", rounding="eden", key=KEY), "needs fmt='nvfp4'"),
+    (lambda x: ref.quantize(x, "nvfp4", rounding="eden", key=KEY), "multiple of 128"),
+    (lambda x: ref.quantize(x, "nvfp4", rounding="sr"), "needs a key"),
+    (lambda x: ref.quantize(x.astype(jnp.int32), "nvfp4"), "floating-point"),
+    (lambda x: ref.quantize(x, "mxfp4", scale_rule="floor"), "valid rules"),
+    (lambda x: ref.quantize(x, "nvfp4", scale_rule="ocp"), "mxfp4 only"),
+    (lambda x: ref.quantize(x, "mxfp4", axis=2), "out of range"),
+])
+def test_invalid_calls(call, match):
+  with pytest.raises(ValueError, match=match):
+    call(jnp.ones((64, 64)))
