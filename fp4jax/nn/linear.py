@@ -1,0 +1,108 @@
+"""FP4Linear: a Flax NNX dense layer whose matmul is `fp4jax.fp4_dot` under a route.
+
+Two ways to put FP4 GEMMs into an NNX model:
+  * `FP4Linear(in, out, route=...)`: our own layer; `__call__(x, key=...)` takes the per-call random key
+    that stochastic-rounding / random-Hadamard routes need.
+  * `nnx.Linear(in, out, dot_general=fp4_dot_general(route, key))`: the stock layer with a hook. The hook
+    has no way to receive a key per call (nnx.Linear passes none), so a keyed route sees the *same* key on
+    every call, i.e. the same rounding noise each step. Use it for deterministic routes or quick trials.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp4jax import route as route_lib
+from fp4jax.dot import fp4_dot
+from fp4jax.route import Route
+
+Initializer = Callable[..., jax.Array]
+default_kernel_init: Initializer = nnx.initializers.lecun_normal()  # as nnx.Linear
+
+
+def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
+  """`init` whose Param carries mesh-axis names (`nnx.get_partition_spec` reads them), placed lazily.
+
+  Eager sharding (flax's default) would place the value on creation and then requires an active mesh;
+  we keep it off so models build anywhere, and the trainer places the state with NamedShardings built
+  from `nnx.get_partition_spec(nnx.state(model))`.
+  """
+  return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+
+
+class FP4Linear(nnx.Module):
+  """y = x @ kernel (+ bias), the matmul done by `fp4_dot` under `route`.
+
+  The kernel is stored in `param_dtype` ([in, out], as nnx.Linear) and cast to `dtype` before the dot, so
+  the optimizer updates full-precision master weights while the GEMM sees bf16 (then FP4 per the route).
+  The route is resolved once here and kept as a static attribute: it is part of the graph definition, not
+  of the state, so changing it means building a new module.
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      route: str | Route = "bf16",
+      use_bias: bool = False,
+      dtype: Any = jnp.bfloat16,
+      param_dtype: Any = jnp.float32,
+      kernel_init: Initializer = default_kernel_init,
+      kernel_sharding: Sequence[str | None] = (None, None),
+      rngs: nnx.Rngs,
+  ):
+    self.in_features = in_features
+    self.out_features = out_features
+    self.route = route_lib.get(route)
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    init = sharded_init(kernel_init, kernel_sharding)
+    self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))  # [in, out]
+    if use_bias:
+      bias_init = sharded_init(nnx.initializers.zeros_init(), (kernel_sharding[1],))
+      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))  # [out]
+    else:
+      self.bias = nnx.data(None)
+
+  def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    """x [..., in] -> [..., out] in `dtype`. `key`: the random key of this call (keyed routes only)."""
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
+    y = fp4_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), route=self.route, key=key)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y  # [..., out]
+
+
+def fp4_dot_general(route: str | Route, key: jax.Array | None = None) -> Callable[..., jax.Array]:
+  """A `dot_general` hook for stock `nnx.Linear(..., dot_general=fp4_dot_general(route))`.
+
+  Handles only what nnx.Linear issues: lhs [..., K] contracted on its last axis with a 2-D rhs [K, N] on
+  axis 0, no batch dimensions. `precision` is ignored (the route fixes the numerics). `key` is fixed when
+  the hook is made: a keyed route draws the same random bits on every call (see the module docstring).
+  """
+  resolved = route_lib.get(route)
+  if resolved.needs_key and key is None:
+    raise ValueError(f"route {resolved.name!r} needs a random key: fp4_dot_general(route, key=...)")
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                  out_sharding=None):
+    del precision  # The route decides the numerics.
+    standard = (((lhs.ndim - 1,), (0,)), ((), ()))
+    (lc, rc), (lb, rb) = dimension_numbers
+    dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    if rhs.ndim != 2 or dims != standard:
+      raise NotImplementedError(
+          f"fp4_dot_general handles only x[..., K] @ w[K, N]: got lhs.shape={lhs.shape}, "
+          f"rhs.shape={rhs.shape}, {dimension_numbers=}, expected {standard}")
+    if out_sharding is not None:
+      raise NotImplementedError(f"fp4_dot_general does not take {out_sharding=}")
+    y = fp4_dot(lhs, rhs.astype(lhs.dtype), route=resolved, key=key)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+  return dot_general

@@ -1,0 +1,179 @@
+"""Llama building blocks: RMSNorm, RoPE, GQA attention, SwiGLU MLP, the transformer block.
+
+Every dense layer is an `FP4Linear` whose route comes from `RouteRules.resolve(path)` at construction,
+`path` being its dotted module path in the model (see fp4jax/nn/rules.py). Random keys: each linear gets
+`jax.random.fold_in(key, index)` with the fixed per-linear index documented in `linear_index`.
+
+Shapes: B batch, T sequence, D model dim, H query heads, K kv heads, Dh head dim, F ffn dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fp4jax.nn.linear import FP4Linear
+from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
+from fp4jax.nn.rules import RouteRules
+
+ATTN_LINEARS = ("q", "k", "v", "o")
+MLP_LINEARS = ("gate", "up", "down")
+LINEARS_PER_BLOCK = len(ATTN_LINEARS) + len(MLP_LINEARS)
+
+
+def linear_index(path: str) -> int:
+  """The fixed index i of the linear at `path`; it receives `fold_in(key, i)` from the model's key.
+
+  layers.{l}.attn.{q,k,v,o} -> 7l + 0..3, layers.{l}.mlp.{gate,up,down} -> 7l + 4..6, and
+  lm_head -> 7 * n_layers (computed by the model).
+  """
+  _, layer, group, name = path.split(".")
+  names = ATTN_LINEARS if group == "attn" else MLP_LINEARS
+  offset = 0 if group == "attn" else len(ATTN_LINEARS)
+  return LINEARS_PER_BLOCK * int(layer) + offset + names.index(name)
+
+
+def _fold(key: jax.Array | None, index: int) -> jax.Array | None:
+  return None if key is None else jax.random.fold_in(key, index)
+
+
+def fsdp_sharding(shape: tuple[int, ...]) -> tuple[str | None, ...]:
+  """Shard the largest dim of a weight over the "fsdp" mesh axis (the first of equal ones), the rest None."""
+  axis = int(np.argmax(shape))
+  return tuple("fsdp" if i == axis else None for i in range(len(shape)))
+
+
+class RMSNorm(nnx.Module):
+  """y = x / rms(x) * scale, computed in float32 and cast back to x's dtype."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    del rngs  # Deterministic init (ones); kept for the uniform module signature.
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(None,), eager_sharding=False)  # [D]
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)  # [..., D]
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+  """Rotary angular frequencies [Dh/2] in float64 (constants), with optional Llama 3.1 scaling.
+
+  Llama 3.1 scaling (Meta's reference `apply_scaling`): with wavelength w = 2 pi / f and
+  L = original_max_position, frequencies with w < L / high_freq_factor are kept, those with
+  w > L / low_freq_factor are divided by `factor`, and in between they are blended:
+    s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor),  f' = (1 - s) f / factor + s f.
+  """
+  freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [Dh/2]
+  if scaling is None:
+    return freqs
+  wavelen = 2 * math.pi / freqs
+  length = scaling.original_max_position
+  smooth = (length / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+  blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+  return np.where(wavelen < length / scaling.high_freq_factor, freqs,
+                  np.where(wavelen > length / scaling.low_freq_factor, freqs / scaling.factor, blended))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
+  """Rotate x [B, T, N, Dh] by angle positions[t] * freqs[j], in float32, cast back to x's dtype.
+
+  Pairs are (x[..., j], x[..., j + Dh/2]) (the "rotate half" layout), not interleaved (2j, 2j+1): the two
+  are permutations of each other and train identically from scratch, and halves avoid strided gathers.
+  """
+  angles = positions[:, :, None].astype(jnp.float32) * jnp.asarray(freqs, jnp.float32)  # [B, T, Dh/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, Dh/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, N, Dh/2] each
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class _Linears:
+  """Builds the FP4Linear at `{prefix}.{name}` with its route from the rules and FSDP sharding."""
+
+  def __init__(self, config: LlamaConfig, rules: RouteRules, prefix: str, rngs: nnx.Rngs, dtype: Any,
+               param_dtype: Any):
+    self.config, self.rules, self.prefix = config, rules, prefix
+    self.rngs, self.dtype, self.param_dtype = rngs, dtype, param_dtype
+
+  def __call__(self, name: str, d_in: int, d_out: int) -> FP4Linear:
+    return FP4Linear(
+        d_in, d_out, route=self.rules.resolve(f"{self.prefix}.{name}"), dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=nnx.initializers.normal(self.config.init_std),
+        kernel_sharding=fsdp_sharding((d_in, d_out)), rngs=self.rngs)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with RoPE; q, k, v, o are FP4Linear.
+
+  The score and value products run in `dtype` (bf16) through `jax.nn.dot_product_attention`, never FP4.
+  """
+
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
+    self.layer = layer
+    self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+    self.implementation = config.attention_impl
+    make = _Linears(config, rules, f"layers.{layer}.attn", rngs, dtype, param_dtype)
+    d, hd = config.dim, config.head_dim
+    self.q = make("q", d, config.n_heads * hd)
+    self.k = make("k", d, config.n_kv_heads * hd)
+    self.v = make("v", d, config.n_kv_heads * hd)
+    self.o = make("o", config.n_heads * hd, d)
+
+  def _key(self, key: jax.Array | None, name: str) -> jax.Array | None:
+    return _fold(key, linear_index(f"layers.{self.layer}.attn.{name}"))
+
+  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    b, t, _ = x.shape  # [B, T, D]
+    q = self.q(x, key=self._key(key, "q")).reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
+    k = self.k(x, key=self._key(key, "k")).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    v = self.v(x, key=self._key(key, "v")).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # [Dh/2], constants
+    q = apply_rope(q, positions, freqs)
+    k = apply_rope(k, positions, freqs)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    return self.o(out.reshape(b, t, self.n_heads * self.head_dim), key=self._key(key, "o"))  # [B, T, D]
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)); the elementwise part in float32."""
+
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
+    self.layer = layer
+    make = _Linears(config, rules, f"layers.{layer}.mlp", rngs, dtype, param_dtype)
+    self.gate = make("gate", config.dim, config.ffn_dim)
+    self.up = make("up", config.dim, config.ffn_dim)
+    self.down = make("down", config.ffn_dim, config.dim)
+
+  def _key(self, key: jax.Array | None, name: str) -> jax.Array | None:
+    return _fold(key, linear_index(f"layers.{self.layer}.mlp.{name}"))
+
+  def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    gate = self.gate(x, key=self._key(key, "gate")).astype(jnp.float32)  # [B, T, F]
+    up = self.up(x, key=self._key(key, "up")).astype(jnp.float32)  # [B, T, F]
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    return self.down(h, key=self._key(key, "down"))  # [B, T, D]
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
+    self.attn_norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.attn = Attention(config, layer=layer, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = MLP(config, layer=layer, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    x = x + self.attn(self.attn_norm(x), positions, key=key)  # [B, T, D]
+    return x + self.mlp(self.mlp_norm(x), key=key)  # [B, T, D]

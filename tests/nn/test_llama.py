@@ -1,0 +1,211 @@
+"""Llama: shapes, causality, RoPE (Llama 3.1 scaling), GQA, tied embeddings, routes by path, param counts."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp4jax.nn import RouteRules
+from fp4jax.nn.llama import PRESETS, Llama, Llama3RopeScaling, LlamaConfig
+from fp4jax.nn.llama import layers
+
+TINY = LlamaConfig.preset("tiny")
+B, T = 2, 32
+
+
+def _tokens(seed=0, t=T):
+  return jax.random.randint(jax.random.key(seed), (B, t), 0, TINY.vocab_size, jnp.int32)
+
+
+def _model(config=TINY, route="bf16", **kw):
+  rules = RouteRules.standard(route, n_layers=config.n_layers, **kw)
+  return Llama(config, rules=rules, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+  return _model()
+
+
+@nnx.jit
+def _forward(model, tokens):
+  return model(tokens)
+
+
+def _param_count(model):
+  return sum(v.size for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_shapes_dtypes_and_param_count(bf16_model):
+  model = bf16_model
+  logits = _forward(model, _tokens())
+  assert logits.shape == (B, T, TINY.vocab_size) and logits.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(logits)))
+  assert _param_count(model) == TINY.num_params()
+  assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_routes_follow_the_documented_paths():
+  rules = RouteRules.parse([r"layers\.0\..*=bf16", r"layers\.\d+\.attn\..*=mxfp4_rtn",
+                            r"layers\.\d+\.mlp\..*=nvfp4_46", "lm_head=mxfp4"])
+  model = Llama(TINY, rules=rules, rngs=nnx.Rngs(0))
+  routes = model.routes()
+  # Every FP4Linear sits at the path its route was resolved from.
+  assert routes == {path: rules.resolve(path).name for path in routes}
+  expected = {f"layers.{i}.{g}.{n}" for i in range(TINY.n_layers)
+              for g, names in (("attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for n in names}
+  assert set(routes) == expected | {"lm_head"}
+  assert routes["layers.1.attn.k"] == "mxfp4_rtn" and routes["layers.1.mlp.down"] == "nvfp4_46"
+  assert routes["layers.0.mlp.down"] == "bf16" and routes["lm_head"] == "mxfp4"
+  # Each linear gets its own key index.
+  indices = [layers.linear_index(p) for p in expected]
+  assert sorted(indices) == list(range(layers.LINEARS_PER_BLOCK * TINY.n_layers))
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4_rtn"])
+def test_causal(route, bf16_model):
+  model = bf16_model if route == "bf16" else _model(route=route)
+  tokens = _tokens()
+  changed = tokens.at[:, 20].set((tokens[:, 20] + 1) % TINY.vocab_size)
+  a, b = _forward(model, tokens), _forward(model, changed)
+  np.testing.assert_allclose(a[:, :20], b[:, :20], rtol=1e-6, atol=1e-6)
+  assert float(jnp.max(jnp.abs(a[:, 20:] - b[:, 20:]))) > 1e-3
+
+
+def test_forward_backward_fp4_with_keys():
+  # One deep linear on a keyed route (a single FP4 linear keeps the compile short).
+  model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))
+  tokens = _tokens(t=T + 1)  # T inputs and T targets: M = B * T tokens, a multiple of the FP4 block.
+
+  @nnx.jit
+  def grads(model, key):
+    def loss(model):
+      logits = model(tokens[:, :-1], key=key)
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+    return nnx.value_and_grad(loss)(model)
+
+  value, g1 = grads(model, jax.random.key(1))
+  _, g1_again = grads(model, jax.random.key(1))
+  _, g2 = grads(model, jax.random.key(2))
+  assert abs(float(value) - math.log(TINY.vocab_size)) < 0.5
+  leaves = jax.tree.leaves(g1)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+  kernel = lambda g: g["layers"][1]["mlp"]["up"]["kernel"][...]
+  np.testing.assert_array_equal(kernel(g1), kernel(g1_again))  # Same key, same stochastic rounding.
+  assert not np.array_equal(kernel(g1), kernel(g2))
+  with pytest.raises(ValueError, match="mxfp4_sr.*pass key"):
+    _forward(model, tokens[:, :-1])  # Fails while tracing, before any compile.
+
+
+def test_rope_llama3_scaling_formula():
+  scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position=8192)
+  head_dim, theta = 128, 500000.0
+  got = layers.rope_frequencies(head_dim, theta, scaling)
+  bands = []
+  for j, f in enumerate(got):
+    base = theta ** (-2 * j / head_dim)
+    wavelen = 2 * math.pi / base
+    if wavelen < 8192 / 4:  # High frequencies: unchanged.
+      want, band = base, "high"
+    elif wavelen > 8192 / 1:  # Low frequencies: divided by the factor.
+      want, band = base / 8, "low"
+    else:
+      s = (8192 / wavelen - 1) / (4 - 1)
+      want, band = (1 - s) * base / 8 + s * base, "mid"
+    bands.append(band)
+    assert f == pytest.approx(want, rel=1e-12), (j, band)
+  assert {"high", "mid", "low"} <= set(bands)
+  np.testing.assert_allclose(layers.rope_frequencies(head_dim, theta, None),
+                             theta ** (-np.arange(0, head_dim, 2) / head_dim), rtol=1e-12)
+
+
+def test_rope_is_a_relative_rotation():
+  freqs = layers.rope_frequencies(16, 10000.0, Llama3RopeScaling(original_max_position=16))
+  q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+  k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+  rot = lambda x, p: layers.apply_rope(x, jnp.full((1, 1), p), freqs)
+  np.testing.assert_allclose(jnp.linalg.norm(rot(q, 5)), jnp.linalg.norm(q), rtol=1e-5)
+  dots = [float(jnp.sum(rot(q, m) * rot(k, m - 3))) for m in (3, 7, 40)]
+  np.testing.assert_allclose(dots, dots[0], rtol=1e-4)
+
+
+def test_gqa_matches_repeated_kv_reference(bf16_model):
+  config, model = TINY, bf16_model
+  assert (config.n_heads, config.n_kv_heads) == (4, 2)
+  attn = model.layers[0].attn
+  hd = config.head_dim
+  assert attn.k.kernel.shape == (config.dim, 2 * hd) and attn.q.kernel.shape == (config.dim, 4 * hd)
+  x = jax.random.normal(jax.random.key(3), (B, T, config.dim)).astype(jnp.bfloat16)
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  got = attn(x, positions)
+
+  # Float32 reference: query head h reads kv head h // (n_heads / n_kv_heads).
+  f32 = lambda a: a.astype(jnp.float32)
+  freqs = layers.rope_frequencies(hd, config.rope_theta, None)
+  q = layers.apply_rope((f32(x) @ attn.q.kernel[...]).reshape(B, T, 4, hd), positions, freqs)
+  k = layers.apply_rope((f32(x) @ attn.k.kernel[...]).reshape(B, T, 2, hd), positions, freqs)
+  v = (f32(x) @ attn.v.kernel[...]).reshape(B, T, 2, hd)
+  k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+  scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
+  out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(B, T, 4 * hd)
+  want = out @ attn.o.kernel[...]
+  np.testing.assert_allclose(f32(got), want, atol=0.02 * float(jnp.max(jnp.abs(want))))
+
+
+def test_tied_and_untied_embeddings():
+  tokens = _tokens(t=16)  # Some vocab rows are unused by these tokens.
+  unused = np.setdiff1d(np.arange(TINY.vocab_size), np.asarray(tokens))
+
+  @nnx.jit
+  def embed_grad(model):
+    g = nnx.grad(lambda m: jnp.mean(m(tokens) ** 2))(model)
+    return g["embed"]["embedding"][...]
+
+  config = dataclasses.replace(TINY, n_layers=1)
+  untied = _model(config)
+  assert untied.lm_head is not None
+  assert not bool(jnp.any(embed_grad(untied)[unused]))  # Only looked-up rows learn.
+  tied_config = dataclasses.replace(config, tie_embeddings=True)
+  tied = _model(tied_config)
+  assert tied.lm_head is None and "lm_head" not in tied.routes()
+  assert bool(jnp.all(jnp.any(embed_grad(tied)[unused] != 0, axis=-1)))  # The output head trains them too.
+  assert _param_count(untied) - _param_count(tied) == config.dim * config.vocab_size
+  assert _param_count(tied) == tied_config.num_params()
+
+
+def test_sharding_specs_place_on_a_mesh(bf16_model):
+  model = bf16_model
+  specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  P = jax.sharding.PartitionSpec
+  assert specs["embed"]["embedding"].get_value() == P("fsdp", None)  # [V, D]: vocab
+  assert specs["lm_head"]["kernel"].get_value() == P(None, "fsdp")  # [D, V]: vocab
+  mlp = specs["layers"][0]["mlp"]
+  assert mlp["up"]["kernel"].get_value() == P(None, "fsdp")  # [D, F]
+  assert mlp["down"]["kernel"].get_value() == P("fsdp", None)  # [F, D]
+  assert specs["layers"][0]["attn"]["k"]["kernel"].get_value() == P("fsdp", None)  # [D, K*Dh]
+  assert specs["norm"]["scale"].get_value() == P(None)
+  mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), nnx.to_pure_dict(specs),
+                           is_leaf=lambda s: isinstance(s, P))
+  placed = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), shardings)
+  assert placed["embed"]["embedding"].sharding.spec == P("fsdp", None)
+
+
+def test_config_validation_and_presets(bf16_model):
+  with pytest.raises(ValueError, match="self.n_heads=6 must be a multiple of self.n_kv_heads=4"):
+    dataclasses.replace(TINY, dim=96, n_heads=6, n_kv_heads=4)
+  with pytest.raises(ValueError, match="unknown Llama preset 'huge'"):
+    LlamaConfig.preset("huge")
+  with pytest.raises(ValueError, match="sequence length 200 exceeds"):
+    bf16_model(jnp.zeros((1, 200), jnp.int32))
+  assert LlamaConfig.preset("125m", vocab_size=256).vocab_size == 256
+  assert set(PRESETS) == {"tiny", "30m", "125m", "350m", "1b", "llama3_8b"}
+  for name, target in (("30m", 30e6), ("125m", 125e6), ("350m", 350e6), ("1b", 1.0e9)):
+    assert abs(PRESETS[name].num_params() / target - 1) < 0.2, name
+  assert abs(PRESETS["llama3_8b"].num_params() - 8.03e9) < 0.01e9  # Llama 3.1 8B: 8,030,261,248.

@@ -1,0 +1,119 @@
+"""FP4Linear and the nnx.Linear dot_general hook: shapes, bf16 exactness, gradients under every route."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp4jax import route as route_lib
+from fp4jax.nn import FP4Linear, fp4_dot_general
+
+# [B, T, K] -> [B, T, N]; every dim a multiple of 128 so each preset route (2-D tiles, H/RHT128) applies.
+B, T, K, N = 2, 64, 128, 128
+
+
+def _x(seed=0, dtype=jnp.bfloat16):
+  return jax.random.normal(jax.random.key(seed), (B, T, K), jnp.float32).astype(dtype)
+
+
+def test_shapes_dtypes_and_static_route():
+  layer = FP4Linear(K, N, route="mxfp4_rtn", rngs=nnx.Rngs(0))
+  assert layer.kernel.shape == (K, N) and layer.kernel.dtype == jnp.float32
+  assert layer.route is route_lib.get("mxfp4_rtn")
+  y = layer(_x(dtype=jnp.float32))
+  assert y.shape == (B, T, N) and y.dtype == jnp.bfloat16  # Computes in `dtype`.
+  # The route is graph structure, not state: only the kernel is a Param.
+  assert [p for p, _ in nnx.to_flat_state(nnx.state(layer))] == [("kernel",)]
+
+
+def test_input_size_is_checked():
+  layer = FP4Linear(K, N, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="input feature size 64 != self.in_features=128"):
+    layer(jnp.ones((2, 64), jnp.bfloat16))
+
+
+def test_unknown_route_is_an_error():
+  with pytest.raises(ValueError, match="unknown route 'fp3'"):
+    FP4Linear(K, N, route="fp3", rngs=nnx.Rngs(0))
+
+
+def test_bf16_equals_nnx_linear_exactly():
+  ours = FP4Linear(K, N, route="bf16", use_bias=True, rngs=nnx.Rngs(0))
+  ours.bias[...] = jax.random.normal(jax.random.key(3), (N,))
+  stock = nnx.Linear(K, N, use_bias=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+  stock.kernel[...] = ours.kernel[...]
+  stock.bias[...] = ours.bias[...]
+  x = _x()
+  np.testing.assert_array_equal(ours(x), stock(x))
+
+  def loss(m):
+    return jnp.sum(m(x).astype(jnp.float32) ** 2)
+
+  g_ours, g_stock = nnx.grad(loss)(ours), nnx.grad(loss)(stock)
+  np.testing.assert_array_equal(g_ours["kernel"][...], g_stock["kernel"][...])
+  np.testing.assert_array_equal(g_ours["bias"][...], g_stock["bias"][...])
+
+
+def test_sharding_metadata():
+  layer = FP4Linear(K, 2 * K, kernel_sharding=(None, "fsdp"), use_bias=True, rngs=nnx.Rngs(0))
+  specs = nnx.get_partition_spec(nnx.state(layer))
+  assert specs["kernel"].get_value() == jax.sharding.PartitionSpec(None, "fsdp")
+  assert specs["bias"].get_value() == jax.sharding.PartitionSpec("fsdp")
+
+
+@pytest.mark.parametrize("name", route_lib.names())
+def test_value_and_grad_every_route(name):
+  layer = FP4Linear(K, N, route=name, rngs=nnx.Rngs(0))
+  x = _x()
+  key = jax.random.key(7)
+
+  @nnx.jit
+  def step(m, x):
+    def loss(m, x):
+      return jnp.mean(m(x, key=key).astype(jnp.float32) ** 2)
+    return nnx.value_and_grad(loss, argnums=(0, 1))(m, x)
+
+  value, (g_layer, g_x) = step(layer, x)
+  reference = jnp.mean(jnp.dot(x.astype(jnp.float32), layer.kernel[...]) ** 2)
+  g_kernel = g_layer["kernel"][...]
+  assert g_kernel.shape == (K, N) and g_kernel.dtype == jnp.float32
+  assert g_x.shape == x.shape and g_x.dtype == x.dtype
+  assert bool(jnp.all(jnp.isfinite(g_kernel))) and bool(jnp.all(jnp.isfinite(g_x.astype(jnp.float32))))
+  assert float(jnp.linalg.norm(g_kernel)) > 0
+  # FP4 changes the loss by a few percent at most (RNE/SR error ~ 1/8 per element, averaged).
+  np.testing.assert_allclose(float(value), float(reference), rtol=0.15)
+
+
+def test_hook_matches_fp4linear():
+  for name in ("bf16", "mxfp4_rtn"):
+    ours = FP4Linear(K, N, route=name, rngs=nnx.Rngs(0))
+    stock = nnx.Linear(K, N, use_bias=False, dtype=jnp.bfloat16, dot_general=fp4_dot_general(name),
+                       rngs=nnx.Rngs(1))
+    stock.kernel[...] = ours.kernel[...]
+    x = _x()
+    np.testing.assert_array_equal(ours(x), stock(x))
+
+
+def test_hook_needs_key_for_keyed_routes_and_uses_the_fixed_key():
+  with pytest.raises(ValueError, match="route 'mxfp4_sr' needs a random key"):
+    fp4_dot_general("mxfp4_sr")
+  key = jax.random.key(5)
+  ours = FP4Linear(K, N, route="mxfp4_sr", rngs=nnx.Rngs(0))
+  stock = nnx.Linear(K, N, use_bias=False, dtype=jnp.bfloat16, dot_general=fp4_dot_general("mxfp4_sr", key),
+                     rngs=nnx.Rngs(1))
+  stock.kernel[...] = ours.kernel[...]
+  x = _x()
+  g_ours = jax.grad(lambda x: jnp.sum(ours(x, key=key).astype(jnp.float32)))(x)
+  g_stock = jax.grad(lambda x: jnp.sum(stock(x).astype(jnp.float32)))(x)
+  np.testing.assert_array_equal(g_ours, g_stock)
+
+
+def test_hook_rejects_other_contractions():
+  dot_general = fp4_dot_general("bf16")
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+  with pytest.raises(NotImplementedError, match="only x\\[..., K\\] @ w\\[K, N\\]"):
+    dot_general(x, w.T, (((1,), (1,)), ((), ())))
+  with pytest.raises(NotImplementedError, match="rhs.shape=\\(2, 8, 16\\)"):
+    dot_general(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 16)), (((2,), (1,)), ((0,), (0,))))
+  np.testing.assert_array_equal(dot_general(x, w, (((1,), (0,)), ((), ()))), x @ w)
