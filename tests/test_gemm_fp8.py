@@ -126,6 +126,34 @@ def test_gemm_matches_emulated(fmt_a, fmt_b):
   np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7, atol=float(_bound(a, b, k).max()))
 
 
+@pytest.mark.parametrize("span_a,span_b", [(3, 14), (14, 0), (15, 2), (2, 20)])
+def test_tensor_scaled_path_taken_only_when_exact(span_a, span_b):
+  """One factor per tensor (scales fused into the cuBLASLt GEMM) is used exactly when both tensors span <= 2^14;
+  otherwise the per-row path runs. Either way the result equals the emulated product up to summation order."""
+  m, n, k = 16, 24, 128
+  a = _random_mx(11 + span_a, m, k, span=0, lo=0, hi=0)
+  b = _random_mx(17 + span_b, n, k, span=0, lo=0, hi=0)
+  # Spread whole rows apart so the *tensor* span, not any row span, is span_a / span_b.
+  a = _random_mx_rows(a, span_a)
+  b = _random_mx_rows(b, span_b)
+  fast = bool(gemm_fp8.tensor_span_ok(a) & gemm_fp8.tensor_span_ok(b))
+  assert fast == (span_a <= 14 and span_b <= 14)
+  if fast:
+    values, factor = gemm_fp8.fp8_tensor_operand(a)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)) * float(factor), _ref_f32(a))
+  ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
+  out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
+  assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+
+
+def _random_mx_rows(q: QTensor, span: int) -> QTensor:
+  """q with row r's block exponents lowered by r * span // (R - 1): the tensor spans `span`, each row 0."""
+  r = q.scales.shape[0]
+  drop = (np.arange(r) * span // (r - 1)).astype(np.int32)[:, None]
+  scales = (np.asarray(q.scales, np.int32) - drop).astype(np.uint8)
+  return QTensor(q.codes, jnp.asarray(scales), None, q.fmt, q.axis, q.shape)
+
+
 def test_gemm_nan_rows_and_columns():
   rng = np.random.default_rng(5)
   a = _mx(rng.integers(0, 16, (8, 64)), np.array([[0.0, 1.0]] * 8))
