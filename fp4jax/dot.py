@@ -1,0 +1,188 @@
+"""fp4_dot: a matmul whose three GEMMs (fprop, dgrad, wgrad) each quantize their operands per a `Route`.
+
+`fp4_dot(x, w, route=..., key=...)` computes x @ w for x [..., K], w [K, N] as a `jax.custom_vjp`:
+
+  fprop  Y  = Q(X along K) Q(W along K)           a = X  K-major [M, K], b = W  K-major [N, K]
+  dgrad  dX = Q(dY along N) Q(W along N)^T        a = dY K-major [M, N], b = W  K-major [K, N]
+  wgrad  dW = Q(X along M)^T Q(dY along M)        a = X  K-major [K, M], b = dY K-major [N, M]
+
+Each GEMM runs on a backend of `fp4jax.kernels` (dequant(a) @ dequant(b).T). A transform of a GEMM (fixed or
+random Hadamard) is applied to both of its operands along the contraction axis, with the same signs, so it
+cancels in the product. Random bits: one `key` per call, split per operand role and per GEMM by
+`fp4jax.route.operand_key` / `transform_key` (fold_in with fixed indices).
+
+Residuals (what the forward saves for the backward): only what the backward GEMMs read, already quantized:
+  * X for wgrad: the QTensor of X quantized along M (wgrad_x spec), or X itself if wgrad_x is high precision.
+  * W for dgrad: the QTensor of W quantized along N (dgrad_w spec), or W itself if dgrad_w is high precision.
+    With 2-D tiles and dgrad_w == fprop_w (RNE, no transform) it is the fprop QTensor read in the other
+    orientation (same codes and tile scales, no second quantization).
+  * the key.
+  With `requantize_saved` (Quartet II) those QTensors are quantized from the dequantized fprop FP4 X and W,
+  never from the high-precision inputs. Quantizing X and W for the backward in the forward pass gives the same
+  numbers as doing it in the backward (same keys) and keeps FP4, not bf16, alive between the passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax import kernels
+from fp4jax import route as route_lib
+from fp4jax.formats import FORMATS
+from fp4jax.hadamard import hadamard
+from fp4jax.qtensor import QTensor, pack_codes
+from fp4jax.reference import dequantize, quantize
+from fp4jax.route import OperandSpec, Route
+
+Operand = QTensor | jax.Array  # A GEMM operand: quantized, or high precision in its K-major layout.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The static configuration crossing the custom_vjp boundary."""
+
+  route: Route
+  impl: str | None
+  x_dtype: np.dtype
+  w_dtype: np.dtype
+
+
+def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | None = None,
+            impl: str | None = None) -> jax.Array:
+  """x @ w with each GEMM operand quantized per `route`; output in x's dtype.
+
+  Args:
+    x: [..., K] activations (leading dims are flattened to M tokens).
+    w: [K, N] weights.
+    route: a `fp4jax.route.Route` or a preset name (`fp4jax.route.names()`).
+    key: a JAX PRNG key (typed or raw); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
+    impl: GEMM backend name (`fp4jax.kernels.BACKENDS`); None picks the fastest for the device.
+  Returns:
+    [..., N] in x.dtype.
+  """
+  route = route_lib.get(route)
+  if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"fp4_dot needs x [..., K] and w [K, N]: {x.shape=}, {w.shape=}")
+  if route.high_precision:
+    return jnp.dot(x, w).astype(x.dtype)
+  *lead, k = x.shape
+  n = w.shape[1]
+  m = math.prod(lead)
+  _check_dims(route, m=m, k=k, n=n)
+  if key is None:
+    if route.needs_key:
+      raise ValueError(f"route {route.name!r} draws random bits (SR, MS-EDEN or random Hadamard): pass key=")
+    key = jax.random.key(0)  # Never read: keeps one signature for every route.
+  plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype))
+  y = _dot2d(plan, x.reshape(m, k), w, key)  # [M, N]
+  return y.reshape(*lead, n)
+
+
+def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
+  """Each quantized operand needs its GEMM's contraction dim (and, for 2-D tiles, the other) divisible."""
+  contraction = {"fprop": ("K", k), "dgrad": ("N", n), "wgrad": ("M", m)}
+  tile_other = {"fprop_w": ("N", n), "dgrad_w": ("K", k)}  # The non-contraction dim of a 2-D tiled W.
+  for gemm, (_, *roles) in route_lib.GEMMS.items():
+    for role in roles:
+      spec = route.spec(role)
+      checks = [(*contraction[gemm], f"{gemm} contraction", reason, mult)
+                for reason, mult in spec.blocks.items()]
+      if spec.tile_2d and role in tile_other:
+        checks.append((*tile_other[role], "2-D tile", f"{spec.fmt} tile", FORMATS[spec.fmt].block))
+      for dim, value, why, reason, mult in checks:
+        if value % mult:
+          raise ValueError(f"fp4_dot route {route.name!r}: {dim}={value} ({why}) must be a multiple of "
+                           f"{mult} ({role}: {reason})")
+
+
+def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str,
+             gemm: str) -> Operand:
+  """One GEMM operand from a 2-D array `v`, reduced along `axis`, in K-major layout (`axis` last)."""
+  if not spec.quantized:
+    return jnp.moveaxis(v, axis, -1)
+  if spec.transform is not None:
+    random_signs = route_lib.TRANSFORMS[spec.transform].random_signs
+    tkey = route_lib.transform_key(key, gemm) if random_signs else None
+    v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=tkey)
+  rkey = route_lib.operand_key(key, role) if spec.rounding != "rne" else None
+  return quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule,
+                  tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
+
+
+def other_orientation(q: QTensor) -> QTensor:
+  """A 2-D-tiled QTensor of a 2-D array read along its other axis: the same codes and tile scales.
+
+  quantize(w, axis=1-a, tile_2d=True) equals other_orientation(quantize(w, axis=a, tile_2d=True)) bit for
+  bit (tile scales are stored in every row of a tile, docs/ARCHITECTURE.md). Needs `q.outer` None or scalar.
+  """
+  if len(q.shape) != 2 or (q.outer is not None and q.outer.ndim):
+    raise ValueError(f"other_orientation needs a 2-D QTensor with a per-tensor outer factor: {q.shape=}")
+  b = q.spec.block
+  codes = q.unpacked_codes().T  # [R, C] -> [C, R]
+  scales = jnp.repeat(q.scales[::b].T, b, axis=0)  # [R, C/b] -> [R/b, C/b] -> [C/b, R/b] -> [C, R/b]
+  return QTensor(pack_codes(codes), scales, q.outer, q.fmt, 1 - q.axis, q.shape)
+
+
+def _reuses_fprop_w(route: Route) -> bool:
+  """True if dgrad reads the fprop W codes (2-D tiles, same spec, deterministic, no transform)."""
+  spec = route.fprop_w
+  return (spec == route.dgrad_w and spec.tile_2d and spec.rounding == "rne" and spec.transform is None
+          and not route.requantize_saved and FORMATS[spec.fmt].outer in ("none", "tensor"))
+
+
+def _gemm(a: Operand, b: Operand, out_dtype, impl: str | None) -> jax.Array:
+  """a [R, C] (K-major) times b [S, C]^T -> [R, S]: an FP4 backend GEMM, or a plain dot otherwise."""
+  if isinstance(a, QTensor) and isinstance(b, QTensor):
+    return kernels.gemm(a, b, out_dtype=out_dtype, impl=impl)
+  dims = (((1,), (1,)), ((), ()))
+  if not isinstance(a, QTensor) and not isinstance(b, QTensor):
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+  # One quantized, one high-precision operand: exact float32 product of the dequantized values.
+  av, bv = (jnp.moveaxis(dequantize(o), o.axis, -1) if isinstance(o, QTensor) else o.astype(jnp.float32)
+            for o in (a, b))
+  return jax.lax.dot_general(av, bv, dims, precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _fprop(plan: _Plan, x, w, key):
+  r = plan.route
+  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop")  # [M, K]
+  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", "fprop")  # K-major [N, K]
+  return _gemm(xa, wb, plan.x_dtype, plan.impl), xa, wb  # [M, N]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dot2d(plan: _Plan, x, w, key):
+  return _fprop(plan, x, w, key)[0]
+
+
+def _dot2d_fwd(plan: _Plan, x, w, key):
+  r = plan.route
+  y, xa, wb = _fprop(plan, x, w, key)
+  x_src = dequantize(xa) if r.requantize_saved else x  # [M, K]
+  w_src = dequantize(wb) if r.requantize_saved else w  # [K, N]
+  x_wgrad = _prepare(x_src, r.wgrad_x, 0, key, "wgrad_x", "wgrad")  # K-major [K, M]
+  if _reuses_fprop_w(r):
+    w_dgrad = other_orientation(wb)  # K-major [K, N]
+  else:
+    w_dgrad = _prepare(w_src, r.dgrad_w, 1, key, "dgrad_w", "dgrad")  # K-major [K, N]
+  return y, (x_wgrad, w_dgrad, key)
+
+
+def _dot2d_bwd(plan: _Plan, res, g):
+  x_wgrad, w_dgrad, key = res
+  r = plan.route
+  dy_d = _prepare(g, r.dgrad_dy, 1, key, "dgrad_dy", "dgrad")  # K-major [M, N]
+  dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
+  dy_w = _prepare(g, r.wgrad_dy, 0, key, "wgrad_dy", "wgrad")  # K-major [N, M]
+  dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
+  return dx, dw, None
+
+
+_dot2d.defvjp(_dot2d_fwd, _dot2d_bwd)

@@ -1,0 +1,374 @@
+"""fp4_dot: forward and gradients against a reference written from the formulas, unbiasedness of the
+stochastic routes, residual memory, transformations (jit, grad, vmap, remat) and errors."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import kernels
+from fp4jax import route as routes
+from fp4jax.dot import fp4_dot, other_orientation
+from fp4jax.hadamard import hadamard
+from fp4jax.reference import dequantize, quantize
+
+# The documented key rule (fp4jax/route.py): fold_in(key, index), one index per operand role and per GEMM.
+ROLE_INDEX = dict(fprop_x=0, fprop_w=1, dgrad_dy=2, dgrad_w=3, wgrad_dy=4, wgrad_x=5)
+GEMM_INDEX = dict(fprop=6, dgrad=7, wgrad=8)
+FP4_ROUTES = [n for n in routes.names() if n != "bf16"]
+M, K, N = 128, 64, 128  # M and N: 128 so that quartet2's RHT128 fits the wgrad and dgrad contractions.
+
+
+def _fake_quant(v, spec, axis, key, role, gemm):
+  """dequantize(quantize(v)) along `axis`, in v's layout, after the spec's transform (float32)."""
+  v = v.astype(jnp.float32)
+  if spec.fmt is None:
+    return v
+  if spec.transform is not None:
+    tkey = jax.random.fold_in(key, GEMM_INDEX[gemm]) if spec.transform.startswith("rht") else None
+    v = hadamard(v, spec.transform, axis=axis, key=tkey)
+  rkey = jax.random.fold_in(key, ROLE_INDEX[role]) if spec.rounding != "rne" else None
+  q = quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule,
+               tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
+  return dequantize(q)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def reference_dot_vjp(x, w, dy, route, key):
+  """(y, dx, dw) of x [M, K] @ w [K, N] under `route`, straight from the formulas of docs/NUMERICS.md."""
+  xq = _fake_quant(x, route.fprop_x, 1, key, "fprop_x", "fprop")
+  wq = _fake_quant(w, route.fprop_w, 0, key, "fprop_w", "fprop")
+  y = _dot(xq, wq)
+  xs, ws = (xq, wq) if route.requantize_saved else (x, w)
+  dx = _dot(_fake_quant(dy, route.dgrad_dy, 1, key, "dgrad_dy", "dgrad"),
+            _fake_quant(ws, route.dgrad_w, 1, key, "dgrad_w", "dgrad").T)
+  dw = _dot(_fake_quant(xs, route.wgrad_x, 0, key, "wgrad_x", "wgrad").T,
+            _fake_quant(dy, route.wgrad_dy, 0, key, "wgrad_dy", "wgrad"))
+  return y, dx, dw
+
+
+def _data(m=M, k=K, n=N, dtype=jnp.float32, seed=0):
+  kx, kw, kd, ks = jax.random.split(jax.random.key(seed), 4)
+  rows = jnp.exp2(jax.random.uniform(ks, (m, 1), minval=-4, maxval=4))  # Rows over many binades.
+  x = (jax.random.normal(kx, (m, k)) * rows).astype(dtype)
+  w = (jax.random.normal(kw, (k, n)) * 0.1).astype(dtype)
+  dy = jax.random.normal(kd, (m, n)).astype(dtype)
+  return x, w, dy
+
+
+def _vjp(route, x, w, dy, key=None, impl=None):
+  y, f = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=impl), x, w)
+  return (y, *f(dy))
+
+
+def _close(actual, desired):
+  desired = np.asarray(desired, np.float32)
+  np.testing.assert_allclose(np.asarray(actual, np.float32), desired, rtol=1e-5,
+                             atol=1e-5 * np.abs(desired).max())
+
+
+def test_bf16_route_is_exactly_jnp_dot():
+  x, w, dy = _data(dtype=jnp.bfloat16)
+  x3, dy3 = x.reshape(4, 32, K), dy.reshape(4, 32, N)
+  got = jax.vjp(lambda x, w: fp4_dot(x, w, route="bf16"), x3, w)
+  want = jax.vjp(jnp.dot, x3, w)
+  got, want = (got[0], *got[1](dy3)), (want[0], *want[1](dy3))
+  for g, e in zip(got, want):
+    assert g.dtype == e.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+
+
+# Routes mixing high-precision and FP4 operands (one operand of a GEMM quantized: a plain float32 dot).
+MIXED_ROUTES = {
+    "weight_only": routes.Route("weight_only", fprop_w=routes.OperandSpec("mxfp4", tile_2d=True),
+                                dgrad_w=routes.OperandSpec("mxfp4", tile_2d=True)),
+    "fp4_wgrad_only": routes.Route("fp4_wgrad_only", wgrad_x=routes.OperandSpec("nvfp4", transform="h16"),
+                                   wgrad_dy=routes.OperandSpec("nvfp4", rounding="sr", transform="h16")),
+}
+
+
+@pytest.mark.parametrize("name", FP4_ROUTES + list(MIXED_ROUTES))
+def test_route_matches_formula_reference(name):
+  route = MIXED_ROUTES.get(name) or routes.get(name)
+  x, w, dy = _data()
+  key = jax.random.key(42)
+  y, dx, dw = _vjp(route, x.reshape(2, M // 2, K), w, dy.reshape(2, M // 2, N), key=key)
+  ry, rdx, rdw = reference_dot_vjp(x, w, dy, route, key)
+  _close(y.reshape(M, N), ry)
+  _close(dx.reshape(M, K), rdx)
+  _close(dw, rdw)
+  # Not trivially equal to the exact products: the route did quantize.
+  exact = [(y.reshape(M, N), _dot(x, w)), (dw, _dot(x.T, dy))]
+  assert not all(np.allclose(a, b, rtol=1e-3) for a, b in exact)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_tile_2d_other_orientation_is_the_other_quantization(fmt):
+  x, w, _ = _data()
+  for axis in (0, 1):
+    got = other_orientation(quantize(w, fmt, axis=axis, tile_2d=True))
+    want = quantize(w, fmt, axis=1 - axis, tile_2d=True)
+    assert (got.axis, got.shape) == (want.axis, want.shape)
+    for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(e.astype(jnp.float32)))
+
+
+def _named_calls(jaxpr, name):
+  """How many calls of the jitted function `name` a jaxpr makes, nested calls included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.params.get("name") == name
+    for p in eqn.params.values():
+      inner = getattr(p, "jaxpr", None)
+      if inner is not None:
+        n += _named_calls(getattr(inner, "jaxpr", inner), name)
+  return n
+
+
+@pytest.mark.parametrize("name, calls", [("bf16", 0), ("mxfp4", 3), ("mxfp4_sr", 4), ("nvfp4", 3)])
+def test_forward_quantizes_w_once_with_2d_tiles(name, calls):
+  """fprop X, fprop W, wgrad X: with 32x32 / 16x16 tiles dgrad reads the fprop W codes, no 4th quantize."""
+  x, w, _ = _data()
+  fwd = lambda x, w: jax.vjp(lambda x, w: fp4_dot(x, w, route=name, key=jax.random.key(0)), x, w)[0]
+  assert _named_calls(jax.make_jaxpr(fwd)(x, w).jaxpr, "quantize") == calls
+
+
+def _grads_over_keys(route, x, w, dy, n_keys):
+  def one(k):
+    return _vjp(route, x, w, dy, key=k)[1:]
+  keys = jax.random.split(jax.random.key(1), n_keys)
+  return jax.lax.map(one, keys, batch_size=256)
+
+
+def _mse_of_mean(samples, target, bs):
+  """Relative squared error of the mean of b samples, averaged over the disjoint groups of b."""
+  s = np.asarray(samples, np.float64)
+  t = np.asarray(target, np.float64)
+  out = []
+  for b in bs:
+    means = s[: (len(s) // b) * b].reshape(-1, b, *s.shape[1:]).mean(1)
+    out.append(((means - t) ** 2).sum(axis=tuple(range(1, s.ndim))).mean() / (t ** 2).sum())
+  return np.array(out)
+
+
+BS = 2 ** np.arange(9)  # 1 .. 256
+
+
+def _slope(mse, bs=BS):
+  return np.polyfit(np.log(bs), np.log(mse), 1)[0]
+
+
+def _unbiased_targets(name, x, w, dy):
+  """E[dX], E[dW] of the unbiased GEMMs of a route (None: that gradient is biased by design)."""
+  deq = lambda v, fmt, axis, **kw: dequantize(quantize(v, fmt, axis=axis, **kw))
+  targets = {
+      "mxfp4_sr": (dy @ w.T, x.T @ dy),
+      "nvfp4_sr": (dy @ w.T, x.T @ dy),
+      # dgrad: SR dY times the deterministic 16x16 W codes. wgrad: RTN X after a random RHT16 (biased).
+      "nvfp4": (dy @ deq(w, "nvfp4", 1, tile_2d=True).T, None),
+      # Unbiased around the saved FP4 forward operands it re-quantizes.
+      "quartet2": (dy @ deq(w, "nvfp4_46", 0).T, deq(x, "nvfp4_46", 1).T @ dy),
+  }
+  return targets[name]
+
+
+# Log-log slope bounds of the error of the mean over B = 1..256. NVFP4 SR is only nearly unbiased: the
+# E4M3 block scale is rounded to nearest, so a block max can land above 6 and clip (measured slope
+# -0.83..-0.88 on this data; MXFP4 SR with the no-clip rule and MS-EDEN measure -1.00 +- 0.01).
+SLOPES = {"mxfp4_sr": (-1.1, -0.9), "quartet2": (-1.1, -0.9), "nvfp4_sr": (-1.1, -0.75),
+          "nvfp4": (-1.1, -0.75)}
+
+
+@pytest.mark.parametrize("name", list(SLOPES))
+def test_stochastic_gradients_are_unbiased(name):
+  x, w, dy = _data(seed=3)
+  dx, dw = _grads_over_keys(name, x, w, dy, 1024)
+  lo, hi = SLOPES[name]
+  for samples, target in zip((dx, dw), _unbiased_targets(name, x, w, dy)):
+    if target is None:
+      continue
+    mse = _mse_of_mean(samples, target, BS)
+    assert lo < _slope(mse) < hi, (name, mse)
+
+
+def test_rtn_weights_make_dgrad_error_plateau():
+  """Hu's mxfp4: SR on dY is averaged away, the RTN W tiles are not: the error stops falling."""
+  x, w, dy = _data(seed=3)
+  dx, _ = _grads_over_keys("mxfp4", x, w, dy, 1024)
+  mse = _mse_of_mean(dx, dy @ w.T, BS)
+  assert _slope(mse[4:], BS[4:]) > -0.3, mse  # B = 16 .. 256.
+  assert mse[-1] > 0.2 * mse[0]  # Unbiased would give mse[0] / 256.
+
+
+def _residual_bytes(route, x, w):
+  _, vjp_fn = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=jax.random.key(0)), x, w)
+  leaves = jax.tree_util.tree_leaves(vjp_fn)
+  as_arrays = [jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+               for a in leaves]
+  return sum(a.size * a.dtype.itemsize for a in as_arrays)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "quartet2"])
+def test_residuals_are_fp4(name):
+  x, w, _ = _data(dtype=jnp.bfloat16)
+  fp4, bf16 = _residual_bytes(name, x, w), _residual_bytes("bf16", x, w)
+  assert bf16 == x.nbytes + w.nbytes
+  assert fp4 < 0.35 * bf16, (fp4, bf16)  # 4.25-4.5 bits per element plus a key, against 16 bits.
+
+
+def test_jit_value_and_grad_and_remat_match_eager():
+  x, w, _ = _data()
+  key = jax.random.key(5)
+  loss = lambda x, w, k: jnp.sum(fp4_dot(x, w, route="nvfp4", key=k) ** 2)
+  eager = jax.value_and_grad(loss, argnums=(0, 1))(x, w, key)
+  jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, key)
+  remat = jax.jit(jax.value_and_grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w, key)
+  for a, b, c in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted),
+                     jax.tree_util.tree_leaves(remat)):
+    _close(b, a)
+    np.testing.assert_array_equal(b, c)
+
+
+def test_vmap_over_examples_equals_a_loop():
+  x, w, dy = _data()
+  xs, dys = x.reshape(2, 64, K), dy.reshape(2, 64, N)
+  key = jax.random.key(9)
+  f = lambda x, dy: _vjp("mxfp4_h32", x, w, dy, key=key)
+  batched = jax.vmap(f)(xs, dys)
+  for i in range(2):
+    for b, e in zip(batched, f(xs[i], dys[i])):
+      _close(b[i], e)
+
+
+def test_dtypes_follow_inputs():
+  x, w, dy = _data(dtype=jnp.bfloat16)
+  y, dx, dw = _vjp("mxfp4_rtn", x, w.astype(jnp.float32), dy)
+  assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+def test_key_rules():
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="'nvfp4' draws random bits.*key="):
+    fp4_dot(x, w, route="nvfp4")
+  y1 = fp4_dot(x, w, route="mxfp4_rtn")
+  y2 = fp4_dot(x, w, route="mxfp4_rtn", key=jax.random.key(3))
+  np.testing.assert_array_equal(y1, y2)
+  raw = jax.random.PRNGKey(3)  # Raw uint32[2] keys work as well.
+  _, dx_raw, _ = _vjp("nvfp4", x, w, x @ w, key=raw)
+  _, dx_typed, _ = _vjp("nvfp4", x, w, x @ w, key=jax.random.wrap_key_data(raw))
+  np.testing.assert_array_equal(dx_raw, dx_typed)
+
+
+@pytest.mark.parametrize("shape_x, shape_w, match", [
+    ((64, 48), (48, 64), r"K=48 \(fprop contraction\) must be a multiple of 32"),
+    ((64, 64), (64, 48), r"N=48 \(2-D tile\) must be a multiple of 32 \(fprop_w"),
+    ((48, 64), (64, 64), r"M=48 \(wgrad contraction\) must be a multiple of 32"),
+    ((64, 64), (32, 64), r"x \[\.\.\., K\] and w \[K, N\]"),
+])
+def test_shape_errors(shape_x, shape_w, match):
+  with pytest.raises(ValueError, match=match):
+    fp4_dot(jnp.ones(shape_x), jnp.ones(shape_w), route="mxfp4", key=jax.random.key(0))
+
+
+def test_quartet2_needs_rht_block_on_tokens():
+  with pytest.raises(ValueError, match=r"M=64 \(wgrad contraction\) must be a multiple of 128"):
+    fp4_dot(jnp.ones((64, 64)), jnp.ones((64, 128)), route="quartet2", key=jax.random.key(0))
+
+
+def test_backend_selection_and_errors():
+  x, w, _ = _data()
+  a, b = quantize(x, "mxfp4", axis=1), quantize(w, "mxfp4", axis=0)
+  assert kernels.default_backend(a, b) == "emulated"  # CPU.
+  with pytest.raises(ValueError, match="unknown GEMM backend impl='nope'.*emulated"):
+    fp4_dot(x, w, route="mxfp4_rtn", impl="nope")
+  _close(fp4_dot(x, w, route="mxfp4_rtn", impl="emulated"), fp4_dot(x, w, route="mxfp4_rtn"))
+
+
+def test_missing_backend_module_fails_only_when_asked_for(monkeypatch):
+  monkeypatch.setitem(kernels.BACKENDS, "ghost", kernels.Backend("ghost", "fp4jax.kernels.gemm_ghost"))
+  x, w, _ = _data()
+  assert not kernels.BACKENDS["ghost"].available
+  with pytest.raises(ValueError, match="impl='ghost' is not available"):
+    fp4_dot(x, w, route="mxfp4_rtn", impl="ghost")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_default_gpu_backend_equals_emulated(name):
+  x, w, dy = _data()
+  key = jax.random.key(0)
+  for got, want in zip(_vjp(name, x, w, dy, key=key), _vjp(name, x, w, dy, key=key, impl="emulated")):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+
+
+class _FakeDevice:
+
+  def __init__(self, platform, compute_capability=None):
+    self.platform, self.compute_capability = platform, compute_capability
+
+
+@pytest.mark.parametrize("platform, cc, want", [
+    ("cpu", None, "other"), ("gpu", "8.0", "other"), ("gpu", "9.0", "sm90"), ("gpu", "10.0", "sm100"),
+    ("gpu", "12.0", "sm100"),
+])
+def test_device_generation(platform, cc, want):
+  assert kernels.device_generation(_FakeDevice(platform, cc)) == want
+
+
+@pytest.mark.parametrize("backend", [n for n in kernels.BACKENDS if n != "emulated"])
+def test_backends_equal_emulated(backend):
+  be = kernels.BACKENDS[backend]
+  if not be.available:
+    pytest.skip(f"{be.module} not written yet")
+  x, w, _ = _data()
+  pairs = {
+      "mxfp4": (quantize(x, "mxfp4", axis=1), quantize(w, "mxfp4", axis=0, tile_2d=True)),
+      "nvfp4": (quantize(x, "nvfp4", axis=1), quantize(w, "nvfp4", axis=0, tile_2d=True)),
+      "nvfp4_tile": (quantize(x, "nvfp4_tile", axis=1), quantize(w, "nvfp4_tile", axis=0)),
+  }
+  ran = []
+  for fmt, (a, b) in pairs.items():
+    if be.supports(a, b):
+      want = kernels.BACKENDS["emulated"].gemm(a, b, out_dtype=jnp.float32)
+      _close(be.gemm(a, b, out_dtype=jnp.float32), want)
+      ran.append(fmt)
+  if not ran:
+    pytest.skip(f"{backend} supports none of {list(pairs)} here")
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from fp4jax.dot import fp4_dot
+mesh = Mesh(np.array(jax.devices()), ("data",))
+x = jax.random.normal(jax.random.key(0), (4, 32, 64))
+w = jax.random.normal(jax.random.key(1), (64, 128))
+loss = lambda x, w, k: jnp.sum(jnp.sin(fp4_dot(x, w, route="nvfp4", key=k)))
+f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+key = jax.random.key(2)
+want = f(x, w, key)
+xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+ws = jax.device_put(w, NamedSharding(mesh, P(None, "data")))
+got = f(xs, ws, key)
+assert len(got[1][0].sharding.device_set) == 2
+for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+  np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * float(jnp.abs(e).max()))
+"""
+
+
+def test_sharded_jit_matches_unsharded():
+  """Data-parallel x and column-sharded w over 2 CPU devices (a fresh process: the device count is fixed at
+  start-up) give the unsharded numbers: the NVFP4 tensor amax and the SR counters are global."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]

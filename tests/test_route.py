@@ -1,0 +1,121 @@
+"""Routes: operand-spec validation, presets per docs/NUMERICS.md, hashing, key derivation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fp4jax import route as routes
+from fp4jax.route import OperandSpec, Route
+
+
+def test_presets_listed_and_fetched():
+  for name in ("bf16", "mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2"):
+    assert name in routes.names()
+    assert routes.get(name).name == name
+  r = routes.get("mxfp4")
+  assert routes.get(r) is r
+
+
+def test_unknown_route_lists_presets():
+  with pytest.raises(ValueError, match="nope.*mxfp4.*quartet2"):
+    routes.get("nope")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fmt="fp5"), r"format 'fp5'.*mxfp4"),
+    (dict(fmt="mxfp4", rounding="up"), r"rounding 'up'.*'eden'.*'rne'.*'sr'"),
+    (dict(fmt="mxfp4", transform="h64"), r"transform 'h64'.*h16.*rht128"),
+    (dict(fmt="mxfp4", scale_rule="max"), r"scale_rule 'max'.*noclip.*ocp"),
+    (dict(fmt="mxfp4", rounding="eden"), r"eden.*nvfp4"),
+    (dict(fmt="nvfp4_46", rounding="eden"), r"eden.*nvfp4"),
+    (dict(fmt="nvfp4", rounding="eden", tile_2d=True), r"eden.*1-D blocks"),
+    (dict(fmt="nvfp4", scale_rule="ocp"), r"scale_rule='ocp' applies to MX formats only"),
+    (dict(fmt="nvfp4", clip_fraction=0.87), r"clip_fraction=0.87 applies to MX formats only"),
+    (dict(fmt="mxfp4", tile_2d=True, clip_fraction=1.5), r"clip_fraction=1.5"),
+    (dict(fmt=None, rounding="sr"), r"high-precision"),
+])
+def test_operand_spec_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    OperandSpec(**kwargs)
+
+
+def test_operand_spec_needs_key():
+  assert not OperandSpec("mxfp4").needs_key
+  assert not OperandSpec("mxfp4", transform="h32").needs_key
+  assert OperandSpec("mxfp4", rounding="sr").needs_key
+  assert OperandSpec("nvfp4", transform="rht16").needs_key
+  assert OperandSpec("nvfp4", rounding="eden", transform="rht128").needs_key
+  assert not OperandSpec(None).needs_key
+
+
+def test_route_transform_must_be_on_both_operands():
+  with pytest.raises(ValueError, match="wgrad transform.*both operands"):
+    Route("bad", wgrad_x=OperandSpec("mxfp4", transform="h32"), wgrad_dy=OperandSpec("mxfp4"))
+
+
+def test_route_requantize_saved_needs_quantized_operands():
+  with pytest.raises(ValueError, match="requantize_saved"):
+    Route("bad", fprop_x=OperandSpec("nvfp4"), fprop_w=OperandSpec("nvfp4"), requantize_saved=True)
+
+
+def test_route_none_means_high_precision_and_is_hashable():
+  r = Route("w_only", fprop_x=None, fprop_w=OperandSpec("mxfp4"))
+  assert r.fprop_x == OperandSpec(None) and not r.fprop_x.quantized
+  assert hash(r) == hash(Route("w_only", fprop_w=OperandSpec("mxfp4")))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    r.name = "x"
+  with pytest.raises(TypeError, match="fprop_x"):
+    Route("bad", fprop_x="mxfp4")
+
+
+def test_route_needs_key():
+  assert [n for n in routes.names() if not routes.get(n).needs_key] == ["bf16", "mxfp4_rtn", "nvfp4_46"]
+  assert routes.get("bf16").high_precision and not routes.get("mxfp4").high_precision
+
+
+def test_presets_follow_numerics_table():
+  mx = routes.get("mxfp4")
+  assert mx.fprop_x == OperandSpec("mxfp4") and mx.fprop_w.tile_2d and mx.fprop_w.clip_fraction == 0.87
+  assert mx.dgrad_w == mx.fprop_w and mx.dgrad_dy.rounding == "sr"
+  assert mx.wgrad_x.rounding == mx.wgrad_dy.rounding == "rne"
+  h32 = routes.get("mxfp4_h32")
+  assert h32.wgrad_x.transform == h32.wgrad_dy.transform == "h32"
+  assert dataclasses.replace(h32, name="mxfp4", wgrad_x=mx.wgrad_x, wgrad_dy=mx.wgrad_dy) == mx
+  nv = routes.get("nvfp4")
+  assert nv.fprop_w == nv.dgrad_w == OperandSpec("nvfp4", tile_2d=True)
+  assert nv.dgrad_dy.rounding == nv.wgrad_dy.rounding == "sr" and nv.wgrad_x.rounding == "rne"
+  assert nv.wgrad_x.transform == nv.wgrad_dy.transform == "rht16"
+  assert {routes.get("nvfp4_tile_local").spec(r).fmt for r in routes.ROLES} == {"nvfp4_tile"}
+  q2 = routes.get("quartet2")
+  assert q2.requantize_saved and q2.fprop_x == q2.fprop_w == OperandSpec("nvfp4_46")
+  for role in ("dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"):
+    assert q2.spec(role) == OperandSpec("nvfp4", rounding="eden", transform="rht128")
+
+
+def test_keys_are_deterministic_and_distinct_per_role():
+  key = jax.random.key(7)
+  keys = [routes.operand_key(key, r) for r in routes.ROLES] + [routes.transform_key(key, g)
+                                                                for g in routes.GEMMS]
+  data = jnp.stack([jax.random.key_data(k) for k in keys])
+  assert len({tuple(map(int, d)) for d in data}) == 9
+  assert (jax.random.key_data(routes.operand_key(key, "wgrad_x"))
+          == jax.random.key_data(jax.random.fold_in(key, 5))).all()
+  assert (jax.random.key_data(routes.transform_key(key, "wgrad"))
+          == jax.random.key_data(jax.random.fold_in(key, 8))).all()
+
+
+def test_route_is_a_static_jit_argument():
+  traces = []
+
+  def g(x, route):
+    traces.append(route.name)
+    return x * 2
+
+  gj = jax.jit(g, static_argnames="route")
+  x = jnp.ones(3)
+  gj(x, route=routes.get("nvfp4"))
+  gj(x, route=dataclasses.replace(routes.get("nvfp4")))  # Equal route: no retrace.
+  gj(x, route=routes.get("mxfp4"))
+  assert traces == ["nvfp4", "mxfp4"]
