@@ -1,0 +1,327 @@
+"""Fused MXFP4 quantizer: one read of x[M, K] writes both the row view (along K) and the column view (along M).
+
+One Pallas program per [block_m, block_k] tile of x. It loads the tile once and writes
+  * the row view: codes [M, K/2] + E8M0 scales [M, K/32] (`reference.quantize(x, axis=-1)`), and
+  * the column view, already transposed to K-major: codes [K, M/2] + scales [K, M/32]
+    (`reference.quantize(x, axis=0)`), the layout the wgrad GEMM reads,
+bit for bit equal to `fp4jax.reference.quantize`: RNE or SR (bits from `fp4jax.prng` keyed by the element's
+row-major flat index in x, so both views see the same bits), scale rule "ocp" or "noclip", optional
+`clip_fraction`, and 1x32 blocks or 32x32 tiles (`tile_2d`: one scale per tile, so the two views hold the same
+codes, computed once). `quantize_dual(..., fp8=True)` adds the Hopper FP8 GEMM operands (`quantize_fp8`).
+
+The input is read as uint32 words, each two bf16 neighbours along K (a free bitcast of x), split by row parity:
+the low and high halves of a word are the two nibbles of a row-view byte, the same half of two consecutive rows
+the two nibbles of a column-view byte, so packing is elementwise and only the column view's bytes and scales
+are transposed in registers. At about half the copy bandwidth on an H200 the per-element work (two views,
+and for SR a 2-round hash per element) rather than memory traffic looks like the limit, so the numerics are
+integer and bit arithmetic with few operations per element (no float4 casts, no exp2/log2, no PRNG primitive):
+  * block amax as the max of |x|'s float32 bit patterns (monotone for non-negative floats; NaN/Inf patterns
+    sort above every finite one, which flags non-finite blocks without relying on float max NaN semantics);
+  * E from amax's exponent bits, the block multiplier 2^-E built from exponent bits;
+  * E2M1 codes from the float32 bits of |x| * 2^-E (`_encode_rne`, `_encode_sr`), equal to the reference's
+    midpoint comparisons and its u < (|v| - lo) / (hi - lo) test.
+bf16 inputs only (`supported`); other dtypes fall back to the reference.
+
+Backend: Pallas on GPU through the Triton lowering (`pallas_call`'s default on CUDA in JAX 0.11.2, chosen
+explicitly with `CompilerParams`). The kernel needs per-block reductions along the minor axis ([h, w] ->
+[h, w/16, 16]) and an in-register transpose for the column view. Mosaic GPU in JAX 0.11.2 has no lowering rule
+for `lax.transpose_p`, reduces along one axis only in tiled layouts, and reshapes tiled layouts only in their
+leading dimensions, so it cannot express either step without a hand-written SMEM round trip. On CPU the same
+kernel runs in Pallas interpret mode (the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax import prng
+from fp4jax.formats import get_format
+from fp4jax.kernels import quantize_fp8
+from fp4jax.kernels.tiling import QuantTile, default_tile
+from fp4jax.qtensor import QTensor
+
+KERNEL_NAME = "fp4jax_mxfp4_quantize_dual"
+ROUNDINGS = ("rne", "sr")
+SCALE_RULES = ("ocp", "noclip")
+# The scale rule `reference.quantize` uses when none is given, by (rounding, tile_2d).
+DEFAULT_SCALE_RULE = {("rne", False): "ocp", ("sr", False): "noclip", ("rne", True): "noclip",
+                      ("sr", True): "noclip"}
+
+_F32_ABS = 0x7FFFFFFF
+_F32_INF = 0x7F800000
+_MANT_1P5 = 0x400000  # mantissa bits of 1.5: above them a block max m * 2^e exceeds 6 * 2^(e - 2)
+_E8M0_BIAS = 127
+_E8M0_NAN = 255
+_E_MIN, _E_MAX = -127, 127
+
+
+@dataclasses.dataclass(frozen=True)
+class DualConfig:
+  """Static options of one fused quantizer launch (hashable: crosses jit as one object)."""
+
+  rounding: str = "rne"
+  scale_rule: str = "ocp"
+  tile_2d: bool = False
+  clip_fraction: float | None = None
+  tile: QuantTile = QuantTile()
+  interpret: bool = False
+
+
+def supported(fmt: str, rounding: str = "rne", *, shape: tuple[int, ...] | None = None, dtype=None,
+              scale_rule: str | None = None, tile_2d: bool = False, clip_fraction: float | None = None,
+              **options) -> bool:
+  """Whether `quantize_dual` covers this case; dot.py falls back to `reference.quantize` otherwise.
+
+  Covered: fmt "mxfp4", rounding "rne" / "sr", scale rule "ocp" / "noclip", `clip_fraction`, 1-D blocks or
+  32x32 tiles (`tile_2d`), a bf16 x [M, K] with M and K multiples of 32
+  (`tiling.default_tile`), no other reference options.
+  """
+  if get_format(fmt).name != "mxfp4" or rounding not in ROUNDINGS or options:
+    return False
+  if clip_fraction is not None and not 0 < clip_fraction <= 1:
+    return False
+  if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+    return False
+  if scale_rule is not None and scale_rule not in SCALE_RULES:
+    return False
+  if shape is not None:
+    if len(shape) != 2:
+      return False
+    try:
+      default_tile(*shape, rounding=rounding)
+    except ValueError:
+      return False
+  return True
+
+
+def _block_exponent(amax_bits: jax.Array, cfg: DualConfig) -> jax.Array:
+  """int32 E of each block from the float32 bits of its amax (clamped to E8M0's [-127, 127])."""
+  e = (amax_bits >> 23) - (_E8M0_BIAS + 2)  # floor(log2 amax) - 2: OCP's rule, amax / 2^e = 4 * 1.mant
+  if cfg.scale_rule == "noclip":  # ceil(log2(amax / 6)): one up when the mantissa exceeds 1.5's
+    coarser = (amax_bits & 0x7FFFFF) > _MANT_1P5
+    e = e + coarser.astype(jnp.int32)
+  if cfg.clip_fraction is not None:  # one finer when amax / (6 * 2^e) < clip_fraction (Hu's bounded clipping)
+    m1 = jax.lax.bitcast_convert_type((amax_bits & 0x7FFFFF) | (_E8M0_BIAS << 23), jnp.float32)  # 1.mant
+    ratio = m1 * (jnp.where(coarser, 2.0, 4.0) if cfg.scale_rule == "noclip" else 4.0)  # amax / 2^e, exact
+    e = e - (ratio < jnp.float32(6.0 * cfg.clip_fraction)).astype(jnp.int32)
+  return jnp.clip(e, _E_MIN, _E_MAX)  # a zero or subnormal amax lands on -127, as in the reference
+
+
+def _pow2_neg(e: jax.Array) -> jax.Array:
+  """float32 2^-e for int32 e in [-127, 126], from exponent bits."""
+  return jax.lax.bitcast_convert_type((_E8M0_BIAS - e) << 23, jnp.float32)
+
+
+def _encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
+  """int32 E2M1 magnitude codes of float32 magnitudes in [0, 8), round-to-nearest-even, saturating at 6.
+
+  [1, 8): E2M1 is a float with one mantissa bit, so RNE on the float32 bits (add half an ulp of the kept bit,
+  plus one when that bit is odd) leaves (biased exponent, mantissa bit) = code + 252 in bits 22 and up.
+  [0, 1): the grid is 0, 0.5, 1: RNE(2 * mag) by the float32 add of 2^23 (one ulp = 1 there).
+  """
+  del r24
+  b = jax.lax.bitcast_convert_type(mag, jnp.int32)
+  big = jnp.minimum((b + ((b >> 22) & 1) + (0x1FFFFF - (252 << 22))) >> 22, 7)
+  small = jax.lax.bitcast_convert_type(mag * 2.0 + 8388608.0, jnp.int32) - 0x4B000000
+  return jnp.where(mag < 1.0, small, big)
+
+
+def _encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
+  """int32 E2M1 magnitude codes by stochastic rounding: up from lo iff u < (mag - lo) / (hi - lo).
+
+  u = r24 * 2^-24 (`prng.uniform_from_bits`). On [1, 8) the fraction is the 22 mantissa bits below the kept
+  one, exactly trunc * 2^-22, so the test is the integer compare r24 < 4 * trunc; on [0, 1) it is done in
+  float32 on 2 * mag, exact as well. Magnitudes of 6 and above give 7 (the reference clips to 6 first).
+  """
+  b = jax.lax.bitcast_convert_type(mag, jnp.int32)
+  big = (b >> 22) - 252 + (r24 < ((b & 0x3FFFFF) << 2)).astype(jnp.int32)
+  y = mag * 2.0
+  lo = (y >= 1.0).astype(jnp.float32)
+  u = r24.astype(jnp.float32) * jnp.float32(2.0**-24)
+  small = lo.astype(jnp.int32) + (u < y - lo).astype(jnp.int32)
+  return jnp.where(mag < 1.0, small, jnp.minimum(big, 7))
+
+
+_ENCODERS = {"rne": _encode_rne, "sr": _encode_sr}
+
+
+def _block_scale(amax: jax.Array, cfg: DualConfig):
+  """(finite, multiplier 2^-E, E8M0 scale byte) of blocks with int32 amax bits `amax` (NaN/Inf -> 0xFF)."""
+  finite = amax < _F32_INF
+  e = _block_exponent(amax, cfg)
+  return finite, _pow2_neg(e), jnp.where(finite, e + _E8M0_BIAS, _E8M0_NAN)
+
+
+def _codes(a, sign, r24, mul, blocks: tuple[int, ...], cfg: DualConfig) -> jax.Array:
+  """int32 E2M1 codes (sign in bit 3) of elements with |x| bits `a` [h, w] under block multipliers `mul`."""
+  mag = jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * mul  # exact: a power of two
+  encode = _ENCODERS[cfg.rounding]
+  return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
+
+
+def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
+          cfg: DualConfig):
+  """Packed codes [h, w] and scale bytes of one view of two element sets sharing their blocks.
+
+  abs_*: int32 |x| float32 bits [h, w] of the elements for the low and high nibbles (neighbours along the
+  view's quantized axis, so in the same block); `blocks` reshapes [h, w] so that `axis` runs along a block.
+  """
+  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
+  finite, mul, scale = _block_scale(amax, cfg)
+  packed = (_codes(abs_lo, sign_lo, r24_lo, mul, blocks, cfg) |
+            (_codes(abs_hi, sign_hi, r24_hi, mul, blocks, cfg) << 4))
+  packed = jnp.where(finite, packed, 0)
+  return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+
+
+def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: DualConfig):
+  """Both views under one scale per 32x32 tile: the codes are computed once and packed both ways.
+
+  Returns (row codes per row parity [h, w], row scales [h, w/16], column codes per column parity [w, h],
+  column scales [w, h/16]); every row (column) of a tile repeats the tile's scale, as in the reference.
+  """
+  tiles = (h // 16, 16, w // 16, 16)  # (tile row, row pair, tile column, column pair)
+  amax = functools.reduce(jnp.maximum, mag.values()).reshape(tiles)
+  amax = jnp.max(jnp.max(amax, axis=3, keepdims=True), axis=1, keepdims=True)  # [h/16, 1, w/16, 1]
+  finite, mul, scale = _block_scale(amax, cfg)
+  codes = {pq: jnp.where(finite, _codes(mag[pq], sign[pq], r24[pq], mul, tiles, cfg), 0) for pq in mag}
+  row_codes = [(codes[p, 0] | (codes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8) for p in range(2)]
+  col_codes = [(codes[0, q] | (codes[1, q] << 4)).reshape(h, w).T.astype(jnp.uint8) for q in range(2)]
+  scale = scale.astype(jnp.uint8)
+  row_scales = jnp.broadcast_to(scale, (h // 16, 16, w // 16, 1)).reshape(h, w // 16)
+  col_scales = jnp.broadcast_to(scale, (h // 16, 1, w // 16, 16)).reshape(h // 16, w).T
+  return row_codes, row_scales, col_codes, col_scales
+
+
+def _dual_kernel(*refs, cfg: DualConfig, k: int):
+  """One tile of x as bf16 pairs -> both views.
+
+  x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along
+  K (the even one in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
+  reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
+  column scales [bk/2, 2, bm/32].
+  """
+  if cfg.rounding == "sr":
+    seed_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
+  else:
+    x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
+  h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
+  # x[2i + p, 2j + q] as float32 bits: p = row parity (which load), q = column parity (which half).
+  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
+  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
+  mag = {pq: b & _F32_ABS for pq, b in bits.items()}
+  sign = {pq: (b >> 28) & 8 for pq, b in bits.items()}
+  r24 = dict.fromkeys(bits)
+  if cfg.rounding == "sr":
+    k0, k1 = seed_ref[0], seed_ref[1]
+    rows = jax.lax.broadcasted_iota(jnp.uint32, (h, w), 0) * 2 + (pl.program_id(0) * 2 * h).astype(jnp.uint32)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (h, w), 1) * 2 + (pl.program_id(1) * 2 * w).astype(jnp.uint32)
+    base = rows * jnp.uint32(k) + cols  # flat index of x[2i, 2j]
+    for p, q in bits:
+      r = prng.hash_bits(k0, k1, base + jnp.uint32(p * k + q)) >> 8
+      r24[(p, q)] = jax.lax.bitcast_convert_type(r, jnp.int32)
+
+  if cfg.tile_2d:
+    row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, r24, h, w, cfg)
+    for p in range(2):
+      rc_ref[:, p, :] = row_codes[p]
+      rs_ref[:, p, :] = row_scales
+      cc_ref[:, p, :] = col_codes[p]
+      cs_ref[:, p, :] = col_scales
+    return
+  # Row view (blocks of 32 along K = 16 column pairs): row parity p packs columns (2j, 2j + 1).
+  for p in range(2):
+    codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
+                          (h, w // 16, 16), 2, cfg)
+    rc_ref[:, p, :] = codes  # [h, w]
+    rs_ref[:, p, :] = scales  # [h, w/16]
+  # Column view (blocks of 32 along M = 16 row pairs): column parity q packs rows (2i, 2i + 1), transposed.
+  for q in range(2):
+    codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
+                          (h // 16, 16, w), 1, cfg)
+    cc_ref[:, q, :] = codes.T  # [w, h]
+    cs_ref[:, q, :] = scales.T  # [w, h / 16]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
+  m, k = x.shape
+  t = cfg.tile
+  h, w = t.block_m // 2, t.block_k // 2
+  xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
+  out_shape = (
+      jax.ShapeDtypeStruct((m // 2, 2, k // 2), jnp.uint8),
+      jax.ShapeDtypeStruct((m // 2, 2, k // 32), jnp.uint8),
+      jax.ShapeDtypeStruct((k // 2, 2, m // 2), jnp.uint8),
+      jax.ShapeDtypeStruct((k // 2, 2, m // 32), jnp.uint8),
+  )
+  out_specs = (
+      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
+      pl.BlockSpec((h, 2, w // 16), lambda i, j: (i, 0, j)),
+      pl.BlockSpec((w, 2, h), lambda i, j: (j, 0, i)),
+      pl.BlockSpec((w, 2, h // 16), lambda i, j: (j, 0, i)),
+  )
+  in_specs = [pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j))]
+  args = [xw]
+  if cfg.rounding == "sr":
+    in_specs.insert(0, pl.BlockSpec((2,), lambda i, j: (0,)))
+    args.insert(0, seeds)
+  rc, rs, cc, cs = pl.pallas_call(
+      functools.partial(_dual_kernel, cfg=cfg, k=k),
+      out_shape=out_shape,
+      grid=(m // t.block_m, k // t.block_k),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+      interpret=cfg.interpret,
+      name=KERNEL_NAME,
+  )(*args)
+  return rc.reshape(m, k // 2), rs.reshape(m, k // 32), cc.reshape(k, m // 2), cs.reshape(k, m // 32)
+
+
+def quantize_dual(x: jax.Array, fmt: str = "mxfp4", *, rounding: str = "rne", key: jax.Array | None = None,
+                  scale_rule: str | None = None, tile_2d: bool = False, clip_fraction: float | None = None,
+                  fp8: bool = False, tile: QuantTile | None = None, interpret: bool = False):
+  """Both MXFP4 views of x[M, K] from one fused pass: (row view along K, column view along M).
+
+  Equal bit for bit to `(reference.quantize(x, fmt, axis=-1, ...), reference.quantize(x, fmt, axis=0, ...))`
+  with the same rounding, key, scale rule, tile_2d and clip_fraction (with tile_2d, one scale per 32x32 tile:
+  both views hold the same codes). `interpret=True` runs the kernel in Pallas interpret mode (CPU).
+
+  fp8=True also returns the Hopper GEMM's operands `(gemm_fp8.mx_to_fp8(row), gemm_fp8.mx_to_fp8(col))`, as
+  a third element, from `quantize_fp8.mx_to_fp8`: a second Pallas pass over the packed codes. e_row is a
+  maximum over a whole row (all of K, or all of M for the column view), so a tile cannot write its E4M3 values
+  before every tile of its row is done; re-reading the codes (0.5 B + 1/32 B per element) costs less than any
+  pre-pass over x (2 B per element) that would let the fused pass write them directly.
+  """
+  if not supported(fmt, rounding, scale_rule=scale_rule, dtype=x.dtype, tile_2d=tile_2d,
+                   clip_fraction=clip_fraction):
+    raise ValueError(f"quantize_dual does not cover {fmt=}, {rounding=}, {scale_rule=}, {tile_2d=}, "
+                     f"{clip_fraction=}, {x.dtype=}; "
+                     f"check `supported(...)` and fall back to reference.quantize")
+  if x.ndim != 2:
+    raise ValueError(f"quantize_dual takes a 2-D x, got {x.shape=}")
+  m, k = x.shape
+  block = get_format(fmt).block
+  tile = tile or default_tile(m, k, block, rounding)
+  tile.check(m, k, block)
+  cfg = DualConfig(rounding=rounding, scale_rule=scale_rule or DEFAULT_SCALE_RULE[rounding, tile_2d],
+                   tile_2d=tile_2d, clip_fraction=clip_fraction, tile=tile, interpret=interpret)
+  seeds = None
+  if rounding == "sr":
+    if key is None:
+      raise ValueError("rounding='sr' needs a key")
+    seeds = jnp.stack(prng.seed_words(key, prng.STREAM_ELEMENT_SR))
+  rc, rs, cc, cs = _dual_call(x, seeds, cfg)
+  row = QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k))
+  col = QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k))
+  if fp8:
+    return row, col, (quantize_fp8.mx_to_fp8(row, interpret=interpret),
+                      quantize_fp8.mx_to_fp8(col, interpret=interpret))
+  return row, col

@@ -1,0 +1,150 @@
+"""The fused dual-view MXFP4 quantizer equals `reference.quantize` bit for bit (Pallas interpret mode on CPU)."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import reference
+from fp4jax.kernels import quantize_fused
+from fp4jax.kernels.tiling import QuantTile, default_tile
+
+SHAPE = (64, 128)
+TILE = QuantTile(32, 64, num_warps=4)  # 2 x 2 programs: exercises the tile offsets and the SR counters
+
+
+def _normal(rng):
+  return rng.standard_normal(SHAPE).astype(np.float32)
+
+
+def _outliers(rng):
+  x = _normal(rng)
+  x[rng.random(SHAPE) < 0.01] *= 1e4
+  return x
+
+
+def _row_spread(rng):
+  return _normal(rng) * np.exp2(rng.integers(-40, 40, (SHAPE[0], 1))).astype(np.float32)
+
+
+def _special_blocks(rng):
+  """Zero, tiny (1e-30), huge (1e30), exact-grid and tie blocks, NaN and Inf blocks, signed zeros."""
+  x = _normal(rng)
+  x[0:32, 0:32] = 0.0
+  x[32:64, 0:32] = -0.0
+  x[:, 32:64] *= 1e-30
+  x[0:32, 64:96] *= 1e30
+  x[32:64, 64:96] = rng.choice([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -2.5, -0.25], (32, 32))
+  x[3, 100] = np.nan
+  x[40, 120] = np.inf
+  x[50, 97] = -np.inf
+  return x
+
+
+INPUTS = {"normal": _normal, "outliers": _outliers, "row_spread": _row_spread, "special": _special_blocks}
+CASES = [("rne", "ocp"), ("rne", "noclip"), ("sr", "noclip"), ("sr", "ocp")]
+
+
+def _assert_same(got, want):
+  for leaf in ("codes", "scales"):
+    g, w = np.asarray(getattr(got, leaf)), np.asarray(getattr(want, leaf))
+    assert g.dtype == w.dtype and g.shape == w.shape, (leaf, g.dtype, w.dtype, g.shape, w.shape)
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{leaf}: {len(bad)} mismatches, first at {bad[:3].tolist()}: {g[tuple(bad[0])]} " \
+                          f"vs {w[tuple(bad[0])]}"
+  assert (got.fmt, got.axis, got.shape, got.outer) == (want.fmt, want.axis, want.shape, want.outer)
+
+
+@pytest.mark.parametrize("rounding,scale_rule", CASES)
+@pytest.mark.parametrize("kind", sorted(INPUTS))
+def test_dual_matches_reference(kind, rounding, scale_rule):
+  rng = np.random.default_rng(zlib.crc32(f"{kind}/{rounding}/{scale_rule}".encode()))
+  x = jnp.asarray(INPUTS[kind](rng)).astype(jnp.bfloat16)
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  row, col = quantize_fused.quantize_dual(x, rounding=rounding, key=key, scale_rule=scale_rule, tile=TILE,
+                                          interpret=True)
+  opts = dict(rounding=rounding, key=key, scale_rule=scale_rule)
+  _assert_same(row, reference.quantize(x, "mxfp4", axis=-1, **opts))
+  _assert_same(col, reference.quantize(x, "mxfp4", axis=0, **opts))
+
+
+TILE_2D_CASES = [("rne", None, None), ("rne", "noclip", 0.87), ("rne", "ocp", None), ("sr", None, 0.87),
+                 ("rne", None, 1.0)]
+
+
+@pytest.mark.parametrize("rounding,scale_rule,clip_fraction", TILE_2D_CASES)
+@pytest.mark.parametrize("kind", ["outliers", "special"])
+def test_tile_2d_matches_reference(kind, rounding, scale_rule, clip_fraction):
+  rng = np.random.default_rng(zlib.crc32(f"2d/{kind}/{rounding}/{scale_rule}/{clip_fraction}".encode()))
+  x = jnp.asarray(INPUTS[kind](rng)).astype(jnp.bfloat16)
+  key = jax.random.key(int(rng.integers(1 << 30)))
+  opts = dict(rounding=rounding, key=key, scale_rule=scale_rule, tile_2d=True, clip_fraction=clip_fraction)
+  row, col = quantize_fused.quantize_dual(x, tile=TILE, interpret=True, **opts)
+  _assert_same(row, reference.quantize(x, "mxfp4", axis=-1, **opts))
+  _assert_same(col, reference.quantize(x, "mxfp4", axis=0, **opts))
+
+
+def test_clip_fraction_1d():
+  x = jnp.asarray(_row_spread(np.random.default_rng(4))).astype(jnp.bfloat16)
+  opts = dict(scale_rule="noclip", clip_fraction=0.87)
+  row, col = quantize_fused.quantize_dual(x, tile=TILE, interpret=True, **opts)
+  _assert_same(row, reference.quantize(x, "mxfp4", axis=-1, **opts))
+  _assert_same(col, reference.quantize(x, "mxfp4", axis=0, **opts))
+
+
+def test_default_rule():
+  x = jnp.asarray(_outliers(np.random.default_rng(3))).astype(jnp.bfloat16)
+  row, col = quantize_fused.quantize_dual(x, tile=TILE, interpret=True)
+  _assert_same(row, reference.quantize(x, "mxfp4", axis=-1))
+  _assert_same(col, reference.quantize(x, "mxfp4", axis=0))
+
+
+def test_one_named_kernel_in_lowering():
+  x = jnp.ones(SHAPE, jnp.bfloat16)
+  fn = jax.jit(lambda x: quantize_fused.quantize_dual(x, tile=TILE, interpret=True))
+  jaxpr = jax.make_jaxpr(fn)(x)
+  assert str(jaxpr).count(f"name={quantize_fused.KERNEL_NAME}") == 1
+  assert quantize_fused.KERNEL_NAME in fn.lower(x).as_text(debug_info=True)
+
+
+def test_shape_errors_and_support():
+  with pytest.raises(ValueError, match="multiple of the tile"):
+    quantize_fused.quantize_dual(jnp.ones((96, 128), jnp.bfloat16), tile=QuantTile(64, 64), interpret=True)
+  with pytest.raises(ValueError, match="no tile"):
+    default_tile(48, 128)
+  assert quantize_fused.supported("mxfp4", "sr", shape=(64, 128))
+  assert not quantize_fused.supported("nvfp4", "rne")
+  assert not quantize_fused.supported("mxfp4", "eden")
+  assert not quantize_fused.supported("mxfp4", "rne", shape=(48, 128))
+  assert quantize_fused.supported("mxfp4", "rne", tile_2d=True, clip_fraction=0.87)
+  assert not quantize_fused.supported("mxfp4", "rne", clip_fraction=1.5)
+  assert not quantize_fused.supported("mxfp4", "rne", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="does not cover"):
+    quantize_fused.quantize_dual(jnp.ones((64, 64), jnp.float32), interpret=True)
+
+
+def test_default_tile_heuristic():
+  assert default_tile(16384, 4096, rounding="rne") == QuantTile(64, 64, num_warps=4)
+  assert default_tile(16384, 4096, rounding="sr") == QuantTile(32, 128, num_warps=4)
+  assert default_tile(96, 96) == QuantTile(32, 32, num_warps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+@pytest.mark.parametrize("tile_2d", [False, True])
+def test_gpu_matches_reference(rounding, tile_2d):
+  """The compiled kernel (not interpret mode) on special blocks tiled over a larger array, and its FP8 form."""
+  from fp4jax.kernels import gemm_fp8
+  x = jnp.asarray(np.tile(_special_blocks(np.random.default_rng(9)), (16, 8))).astype(jnp.bfloat16)
+  opts = dict(rounding=rounding, key=jax.random.key(3), tile_2d=tile_2d,
+              clip_fraction=0.87 if tile_2d else None)
+  row, col, (row8, col8) = quantize_fused.quantize_dual(x, fp8=True, **opts)
+  want_row = reference.quantize(x, "mxfp4", axis=-1, **opts)
+  want_col = reference.quantize(x, "mxfp4", axis=0, **opts)
+  _assert_same(row, want_row)
+  _assert_same(col, want_col)
+  for got, want in ((row8, gemm_fp8.mx_to_fp8(want_row)), (col8, gemm_fp8.mx_to_fp8(want_col))):
+    assert np.array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+    assert np.array_equal(np.asarray(got.row_scale), np.asarray(want.row_scale), equal_nan=True)
