@@ -36,6 +36,7 @@ from fp4jax import kernels
 from fp4jax import route as route_lib
 from fp4jax.formats import FORMATS
 from fp4jax.hadamard import hadamard
+from fp4jax.kernels import quantize_fused
 from fp4jax.qtensor import QTensor, pack_codes
 from fp4jax.reference import dequantize, quantize
 from fp4jax.route import OperandSpec, Route
@@ -102,8 +103,13 @@ def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
 
 
 def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str,
-             gemm: str) -> Operand:
-  """One GEMM operand from a 2-D array `v`, reduced along `axis`, in K-major layout (`axis` last)."""
+             gemm: str, fused_views: dict | None = None) -> Operand:
+  """One GEMM operand from a 2-D array `v`, reduced along `axis`, in K-major layout (`axis` last).
+
+  fused_views: where given, the fused quantizer's (row, column) views of deterministic (RNE) operands are kept
+  there by (array, spec), so the other view of the same array and spec costs no second pass (X along K for
+  fprop and along M for wgrad, in the mxfp4 routes).
+  """
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
   if spec.transform is not None:
@@ -111,8 +117,29 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: s
     tkey = route_lib.transform_key(key, gemm) if random_signs else None
     v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=tkey)
   rkey = route_lib.operand_key(key, role) if spec.rounding != "rne" else None
-  return quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule,
-                  tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
+  options = dict(rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule, tile_2d=spec.tile_2d,
+                 clip_fraction=spec.clip_fraction)
+  if _fused_quantizer_covers(v, spec):
+    memo = fused_views if rkey is None and fused_views is not None else {}
+    views = memo.get((id(v), spec))
+    if views is None:
+      views = quantize_fused.quantize_dual(v, spec.fmt, interpret=FUSED_QUANTIZER == "interpret", **options)
+      memo[(id(v), spec)] = views
+    return views[0] if axis == 1 else views[1]
+  return quantize(v, spec.fmt, axis=axis, **options)
+
+
+# Where the fused Pallas quantizer replaces `reference.quantize` (same bits): "gpu" (on a GPU backend, the
+# default), "interpret" (everywhere, in Pallas interpret mode: tests), or "off".
+FUSED_QUANTIZER = "gpu"
+
+
+def _fused_quantizer_covers(v: jax.Array, spec: OperandSpec) -> bool:
+  if FUSED_QUANTIZER == "off" or (FUSED_QUANTIZER == "gpu" and jax.default_backend() != "gpu"):
+    return False
+  return quantize_fused.supported(spec.fmt, spec.rounding, shape=v.shape, dtype=v.dtype,
+                                  scale_rule=spec.scale_rule, tile_2d=spec.tile_2d,
+                                  clip_fraction=spec.clip_fraction)
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -150,9 +177,9 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: str | None) -> jax.Array:
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _fprop(plan: _Plan, x, w, key):
+def _fprop(plan: _Plan, x, w, key, fused_views=None):
   r = plan.route
-  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop")  # [M, K]
+  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop", fused_views)  # [M, K]
   wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", "fprop")  # K-major [N, K]
   return _gemm(xa, wb, plan.x_dtype, plan.impl), xa, wb  # [M, N]
 
@@ -164,10 +191,11 @@ def _dot2d(plan: _Plan, x, w, key):
 
 def _dot2d_fwd(plan: _Plan, x, w, key):
   r = plan.route
-  y, xa, wb = _fprop(plan, x, w, key)
+  fused_views = {}
+  y, xa, wb = _fprop(plan, x, w, key, fused_views)
   x_src = dequantize(xa) if r.requantize_saved else x  # [M, K]
   w_src = dequantize(wb) if r.requantize_saved else w  # [K, N]
-  x_wgrad = _prepare(x_src, r.wgrad_x, 0, key, "wgrad_x", "wgrad")  # K-major [K, M]
+  x_wgrad = _prepare(x_src, r.wgrad_x, 0, key, "wgrad_x", "wgrad", fused_views)  # K-major [K, M]
   if _reuses_fprop_w(r):
     w_dgrad = other_orientation(wb)  # K-major [K, N]
   else:
