@@ -1,0 +1,64 @@
+"""Config: YAML + dotted overrides, type conversion, unknown keys listing the valid ones."""
+
+import glob
+
+import pytest
+
+from train import config
+
+
+def _write(tmp_path, text):
+  p = tmp_path / "c.yaml"
+  p.write_text(text)
+  return str(p)
+
+
+def test_yaml_and_overrides(tmp_path):
+  path = _write(tmp_path, "model: {preset: 30m, overrides: {n_layers: 2}}\nroute: mxfp4\n"
+                          "data: {seq_len: 64, sources: [a.txt, 'b/*.xz']}\nrun: {routes: [bf16, nvfp4]}\n")
+  cfg = config.load_config(path, ["optim.lr=1e-3", "route=nvfp4", "run.mesh=[2,4]", "data.batch_size=32",
+                                  "model.overrides.dim=256", "run.resume=false", "rules.extra=[lm_head=bf16]"])
+  assert cfg.model.preset == "30m" and cfg.model.overrides == {"n_layers": 2, "dim": 256}
+  assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads "1e-3" as a string
+  assert cfg.route == "nvfp4"
+  assert cfg.data.sources == ("a.txt", "b/*.xz") and cfg.data.seq_len == 64 and cfg.data.batch_size == 32
+  assert cfg.run.routes == ("bf16", "nvfp4") and cfg.run.mesh == (2, 4) and cfg.run.resume is False
+  assert cfg.rules.extra == ("lm_head=bf16",)
+  assert cfg.optim.b2 == config.OptimConfig().b2  # untouched defaults stay
+
+
+@pytest.mark.parametrize("override, match", [
+    ("optim.lrr=1", r"unknown key\(s\) \['optim.lrr'\].*'lr'"),
+    ("nope=1", r"unknown key\(s\) \['nope'\].*'optim'"),
+    ("data.seq_len=abc", r"data.seq_len: expected an int, got 'abc'"),
+    ("data.seq_len=1.5", r"data.seq_len: expected an int"),
+    ("run.resume=3", r"run.resume: expected true/false"),
+    ("optim=3", r"optim: expected a mapping"),
+    ("optim.lr=[1]", r"optim.lr: expected a number"),
+    ("noequals", r"must look like key.sub=value"),
+])
+def test_errors(override, match):
+  with pytest.raises(config.ConfigError, match=match):
+    config.load_config(None, [override])
+
+
+def test_shipped_configs_resolve():
+  """Every configs/*.yaml loads, and its model preset and route rules resolve (no model is built)."""
+  from train import train
+  paths = sorted(glob.glob("configs/*.yaml"))
+  assert "configs/cpu_compare.yaml" in paths
+  vocab = {"byte": 257, "gpt2": 50257, "sentencepiece": 32000}
+  for p in paths:
+    cfg = config.load_config(p)
+    lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
+    assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
+    for route in cfg.run.routes or (cfg.route,):
+      train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
+    assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
+
+
+def test_cli_rejects_bad_override(capsys):
+  from train.main import main
+  with pytest.raises(SystemExit) as e:
+    main(["--config", "configs/cpu_compare.yaml", "--set", "optim.lrr=1"])
+  assert e.value.code == 2 and "unknown key(s) ['optim.lrr']" in capsys.readouterr().err

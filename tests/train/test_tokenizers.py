@@ -1,0 +1,59 @@
+"""Tokenizers: byte roundtrip, GPT-2 BPE from the shared files against GPT-2's known ids, SentencePiece."""
+
+import os
+
+import numpy as np
+import pytest
+
+from train import tokenizers
+
+SHARED = os.environ.get("FP4JAX_SHARED_DATA",
+                        os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
+GPT2_DIR = os.path.join(SHARED, "tokenizers", "gpt2")
+SP_MODEL = os.path.join(SHARED, "tokenizers", "mistral-7b-v0.1", "tokenizer.model.v1")
+
+
+def test_byte_roundtrip_and_docs():
+  tok = tokenizers.get_tokenizer("byte")
+  text = "héllo\n\tworld ✓"
+  (ids,) = tok.encode_batch([text])
+  assert max(ids) < 256 and tok.decode(ids) == text
+  docs = tok.encode_docs(["ab", "", "c\0"])
+  np.testing.assert_array_equal(docs, [97, 98, 256, 256, 99, 0, 256])
+  assert tok.encode_docs([]).size == 0
+
+
+@pytest.mark.skipif(not os.path.isdir(GPT2_DIR), reason="shared/data GPT-2 files absent")
+def test_gpt2_known_encoding(monkeypatch):
+  import socket
+  def no_network(*a, **k):
+    raise AssertionError("tokenizer tried to open a network connection")
+  monkeypatch.setattr(socket, "create_connection", no_network)
+  monkeypatch.setattr(socket.socket, "connect", no_network)
+  tok = tokenizers.get_tokenizer("gpt2", GPT2_DIR)
+  assert (tok.vocab_size, tok.eos_id) == (50257, 50256)
+  # GPT-2 ids of this sentence (as tiktoken's published "gpt2" encoding gives them).
+  (ids,) = tok.encode_batch(["Hello world, this is a test of GPT-2 tokenization."])
+  assert ids == [15496, 995, 11, 428, 318, 257, 1332, 286, 402, 11571, 12, 17, 11241, 1634, 13]
+  assert tok.decode(ids) == "Hello world, this is a test of GPT-2 tokenization."
+  assert tok.encode_docs(["Hello", " world"]).tolist() == [15496, 50256, 995, 50256]
+
+
+def test_sentencepiece():
+  try:
+    import sentencepiece  # noqa: F401
+  except ImportError:
+    with pytest.raises(ImportError, match="pip install sentencepiece"):
+      tokenizers.get_tokenizer("sentencepiece", SP_MODEL)
+    return
+  if not os.path.isfile(SP_MODEL):
+    pytest.skip("shared/data SentencePiece model absent")
+  tok = tokenizers.get_tokenizer("sentencepiece", SP_MODEL)
+  assert tok.vocab_size == 32000 and tok.eos_id == 2
+  (ids,) = tok.encode_batch(["Hello world"])
+  assert tok.decode(ids) == "Hello world"
+
+
+def test_unknown_kind():
+  with pytest.raises(ValueError, match=r"unknown tokenizer kind='bpe'.*'byte'"):
+    tokenizers.get_tokenizer("bpe")

@@ -1,0 +1,6 @@
+import sys
+
+from train.main import main
+
+if __name__ == "__main__":  # spawned data workers import this module too; they must not train
+  sys.exit(main())

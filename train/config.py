@@ -1,0 +1,213 @@
+"""Training configuration: nested frozen dataclasses loaded from YAML plus dotted `--set` overrides.
+
+`load_config("configs/x.yaml", ["optim.lr=1e-3", "route=nvfp4"])` reads the file, applies each override to the
+nested dict, then builds the dataclasses, checking every key and converting every value to the field's type.
+Unknown keys fail with the list of valid ones, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A `LlamaConfig.preset(preset, **overrides)`; vocab_size comes from the tokenizer unless overridden.
+
+  dtype is the activation/compute dtype of the non-FP4 parts ("bfloat16" on accelerators; "float32" is ~3x
+  faster on CPU, where XLA emulates bf16 dots).
+  """
+  preset: str = "tiny"
+  overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+  dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class RulesConfig:
+  """Per-layer route rules: keep the first/last blocks in bf16; `extra` are 'regex=route' rules tried first."""
+  bf16_first: int = 0
+  bf16_last: int = 0
+  extra: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Text sources (paths/globs, or "stdlib"), tokenizer, window shape and the held-out split."""
+  sources: tuple[str, ...] = ("stdlib",)
+  tokenizer: str = "byte"  # byte | gpt2 | sentencepiece
+  tokenizer_path: str = ""  # gpt2: directory with encoder.json + vocab.bpe; sentencepiece: the .model file
+  seq_len: int = 128
+  batch_size: int = 16
+  eval_fraction: float = 0.01  # last fraction of documents held out (ignored when eval_sources is set)
+  eval_sources: tuple[str, ...] = ()
+  cache_dir: str = ".cache/fp4jax-tokens"
+  workers: int = 0  # tokenizer processes; 0 = os.cpu_count()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warmup then cosine or warmup-stable-decay (wsd), global-norm clipping."""
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup: int = 50
+  schedule: str = "cosine"  # cosine | wsd
+  decay_fraction: float = 0.2  # wsd: final fraction of steps spent decaying
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Loop lengths, output, seed, compare-mode routes and the device mesh (data, fsdp); -1 = all the rest."""
+  steps: int = 200
+  eval_every: int = 100
+  eval_batches: int = 8
+  log_every: int = 10
+  ckpt_every: int = 0  # 0 = only at the end
+  out_dir: str = "runs/default"
+  resume: bool = True  # continue from out_dir/ckpt when it holds a checkpoint
+  seed: int = 0
+  routes: tuple[str, ...] = ()  # non-empty: compare mode, one run per route
+  mesh: tuple[int, ...] = (-1, 1)
+  progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  route: str = "bf16"
+  rules: RulesConfig = RulesConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  run: RunConfig = RunConfig()
+
+
+class ConfigError(ValueError):
+  pass
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+  """Converts a YAML/CLI value to type `tp` or raises ConfigError naming the key."""
+  origin = typing.get_origin(tp)
+  if dataclasses.is_dataclass(tp):
+    if not isinstance(value, dict):
+      raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return _build(tp, value, where)
+  if origin is dict:
+    if not isinstance(value, dict):
+      raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return dict(value)
+  if origin is tuple:
+    (item_tp, _) = typing.get_args(tp)
+    if isinstance(value, (str, int, float)):
+      value = [value]
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{where}: expected a list, got {value!r}")
+    return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+  if tp is bool:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+      return value.lower() == "true"
+    if not isinstance(value, bool):
+      raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+      raise ConfigError(f"{where}: expected an int, got {value!r}")
+    try:
+      out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+    except ValueError:
+      raise ConfigError(f"{where}: expected an int, got {value!r}") from None
+    if out != float(value):
+      raise ConfigError(f"{where}: expected an int, got {value!r}")
+    return out
+  if tp is float:
+    if isinstance(value, bool):
+      raise ConfigError(f"{where}: expected a number, got {value!r}")
+    try:
+      return float(value)  # also YAML's "1e-3", which YAML 1.1 reads as a string
+    except (TypeError, ValueError):
+      raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+  if tp is str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+      raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return str(value)
+  raise TypeError(f"{where}: unsupported field type {tp}")
+
+
+def _build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(raw) - set(names))
+  if unknown:
+    prefix = f"{where}." if where else ""
+    raise ConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; valid keys in "
+                      f"{where or 'the top level'}: {names}")
+  kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
+  return cls(**kwargs)
+
+
+def _set_dotted(raw: dict[str, Any], assignment: str) -> None:
+  if "=" not in assignment:
+    raise ConfigError(f"override {assignment!r} must look like key.sub=value")
+  key, text = assignment.split("=", 1)
+  value = yaml.safe_load(text) if text.strip() else ""
+  parts = key.strip().split(".")
+  node = raw
+  for p in parts[:-1]:
+    child = node.setdefault(p, {})
+    if not isinstance(child, dict):
+      raise ConfigError(f"override {assignment!r}: {p!r} is not a section")
+    node = child
+  node[parts[-1]] = value
+
+
+def from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+  raw = _deepcopy(raw)
+  for o in overrides:
+    _set_dotted(raw, o)
+  return _build(Config, raw)
+
+
+def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
+  raw: dict[str, Any] = {}
+  if path:
+    with open(path) as f:
+      raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+      raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+  return from_dict(raw, overrides)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  """A YAML/JSON-friendly nested dict (tuples as lists)."""
+  def plain(x):
+    if isinstance(x, (tuple, list)):
+      return [plain(v) for v in x]
+    if isinstance(x, dict):
+      return {k: plain(v) for k, v in x.items()}
+    return x
+  return plain(dataclasses.asdict(cfg))
+
+
+def _deepcopy(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {k: _deepcopy(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_deepcopy(v) for v in x]
+  return x
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+  """`replace(cfg, route="mxfp4", run={"out_dir": ...})`: a copy with fields or section fields replaced."""
+  updates = {}
+  for name, val in sections.items():
+    cur = getattr(cfg, name)
+    updates[name] = dataclasses.replace(cur, **val) if isinstance(val, dict) and dataclasses.is_dataclass(cur) else val
+  return dataclasses.replace(cfg, **updates)
+

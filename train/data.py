@@ -1,0 +1,232 @@
+"""Text corpus -> cached token file -> deterministic, resumable [batch, seq_len + 1] windows.
+
+Sources are files or globs (plain, .gz, .xz) or "stdlib" (the running Python's standard library .py files, a
+zero-setup corpus). Each source file is split into documents (WikiExtractor `<doc ...>` blocks when present,
+else the whole file), tokenized once by a process pool and stored as a flat uint16/uint32 file with eos after
+every document, keyed by a hash of (tokenizer, file list, sizes, mtimes). Later runs memory-map it.
+
+The training iterator's whole state is one integer (`position`, batches consumed): batch p holds global
+windows p*B .. p*B+B-1 of a per-epoch permutation drawn from (seed, epoch), so resuming needs no replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import hashlib
+import json
+import lzma
+import multiprocessing
+import os
+import re
+import sys
+import sysconfig
+import time
+from concurrent import futures
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from train import tokenizers
+
+_OPENERS = {".gz": gzip.open, ".xz": lzma.open}
+_DOC_OPEN = re.compile(r"^<doc [^>]*>\s*$", re.M)
+_DOC_CLOSE = re.compile(r"^</doc>\s*$", re.M)
+
+
+def stdlib_files() -> list[str]:
+  """The standard library's .py files (site-/dist-packages excluded), sorted for determinism."""
+  root = sysconfig.get_paths()["stdlib"]
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+    out.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+  return sorted(out)
+
+
+def resolve_sources(sources: Sequence[str]) -> list[str]:
+  files: list[str] = []
+  for s in sources:
+    if s == "stdlib":
+      found = stdlib_files()
+    else:
+      pattern = os.path.expanduser(s)
+      found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not found:
+      raise FileNotFoundError(f"data source {s!r} matches no files")
+    files.extend(found)
+  return files
+
+
+def read_documents(path: str) -> list[str]:
+  """A file's documents: WikiExtractor `<doc>` bodies when present, else the whole file as one."""
+  opener = _OPENERS.get(os.path.splitext(path)[1], open)
+  with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    text = f.read()
+  if not _DOC_OPEN.search(text):
+    return [text] if text else []
+  docs = []
+  for chunk in _DOC_OPEN.split(text)[1:]:
+    body = _DOC_CLOSE.split(chunk, maxsplit=1)[0].strip("\n")
+    if body:
+      docs.append(body)
+  return docs
+
+
+# Each pool worker builds its tokenizer once (the GPT-2 ranks take ~0.3 s to load).
+_WORKER_TOKENIZER: tokenizers.Tokenizer | None = None
+
+
+def _init_worker(kind: str, path: str) -> None:
+  global _WORKER_TOKENIZER
+  _WORKER_TOKENIZER = tokenizers.get_tokenizer(kind, path)
+
+
+def _tokenize_file(path: str) -> np.ndarray:
+  assert _WORKER_TOKENIZER is not None
+  return _WORKER_TOKENIZER.encode_docs(read_documents(path))
+
+
+@contextlib.contextmanager
+def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: int):
+  """Token arrays of `files` in order: in this process for one worker, else from a process pool.
+
+  The pool spawns (not forks): the parent may already hold JAX's threads, which fork would copy in a broken
+  state. A crashed worker raises BrokenProcessPool instead of hanging. As with any spawn pool, a calling
+  script needs the `if __name__ == "__main__":` guard (or data.workers=1).
+  """
+  if workers <= 1:
+    _init_worker(kind, tokenizer_path)
+    yield map(_tokenize_file, files)
+    return
+  ctx = multiprocessing.get_context("spawn")
+  with futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(kind, tokenizer_path)) as pool:
+    yield pool.map(_tokenize_file, files, chunksize=max(1, len(files) // (8 * workers)))
+
+
+def _cache_key(files: Sequence[str], tok: tokenizers.Tokenizer) -> str:
+  h = hashlib.sha256(tok.name.encode())
+  for f in files:
+    st = os.stat(f)
+    h.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+  return h.hexdigest()[:20]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cache_dir: str, *,
+                      workers: int = 0, log=sys.stderr) -> np.ndarray:
+  """Tokenizes `files` once (cached on disk) and returns the memory-mapped token array."""
+  tok = tokenizers.get_tokenizer(kind, tokenizer_path)
+  key = _cache_key(files, tok)
+  os.makedirs(cache_dir, exist_ok=True)
+  bin_path, meta_path = os.path.join(cache_dir, f"{key}.bin"), os.path.join(cache_dir, f"{key}.json")
+  dtype = token_dtype(tok.vocab_size)
+  if os.path.exists(meta_path):
+    with open(meta_path) as f:
+      meta = json.load(f)
+    return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+  workers = min(workers or os.cpu_count() or 1, len(files))
+  total_bytes = sum(os.path.getsize(f) for f in files)
+  t0, n_tokens, done_bytes, shown = time.time(), 0, 0, 0.0
+  tmp = f"{bin_path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
+    for i, arr in enumerate(results):
+      out.write(arr.astype(dtype).tobytes())
+      n_tokens += arr.size
+      done_bytes += os.path.getsize(files[i])
+      dt = time.time() - t0
+      if log is not None and (i + 1 == len(files) or dt - shown > 0.5):
+        shown = dt
+        log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
+                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s")
+        log.flush()
+  if log is not None:
+    log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")
+  os.replace(tmp, bin_path)
+  with open(meta_path + ".tmp", "w") as f:
+    json.dump({"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tok.name, "files": len(files)}, f)
+  os.replace(meta_path + ".tmp", meta_path)
+  return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+def split_heldout(tokens: np.ndarray, eos_id: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """Train = documents before the first document boundary at or after (1 - fraction) of the tokens.
+
+  Without such a boundary (one long last document) the split falls at exactly (1 - fraction) of the tokens.
+  """
+  if not 0 < fraction < 1:
+    raise ValueError(f"{fraction=} must be in (0, 1)")
+  cut = int(len(tokens) * (1 - fraction))
+  ends = np.flatnonzero(tokens[cut:-1] == eos_id)
+  cut = cut + int(ends[0]) + 1 if ends.size else cut
+  return tokens[:cut], tokens[cut:]
+
+
+class WindowIterator:
+  """Shuffled non-overlapping [batch, seq_len + 1] int32 windows; state = {"position": batches consumed}."""
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, position: int = 0):
+    self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+    self.n_windows = (len(tokens) - 1) // seq_len
+    if self.n_windows < batch_size:
+      raise ValueError(f"{len(tokens)=} tokens give {self.n_windows} windows of {seq_len=}, fewer than "
+                       f"{batch_size=}")
+    self.position = position
+    self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    if epoch != self._perm_epoch:
+      self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+      self._perm_epoch = epoch
+    return self._perm
+
+  def batch_at(self, position: int) -> np.ndarray:
+    g = position * self.batch_size + np.arange(self.batch_size)
+    starts = np.array([self._permutation(int(e))[i] for e, i in zip(g // self.n_windows, g % self.n_windows)])
+    starts *= self.seq_len
+    return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], np.int32) for s in starts])  # [B, T+1]
+
+  def __iter__(self) -> Iterator[np.ndarray]:
+    return self
+
+  def __next__(self) -> np.ndarray:
+    batch = self.batch_at(self.position)
+    self.position += 1
+    return batch
+
+  def state(self) -> dict[str, int]:
+    return {"position": self.position, "seed": self.seed}
+
+  def restore(self, state: dict[str, int]) -> None:
+    if int(state["seed"]) != self.seed:
+      raise ValueError(f"checkpointed data seed {state['seed']} != configured seed {self.seed}")
+    self.position = int(state["position"])
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list[np.ndarray]:
+  """The first n_batches * batch_size sequential windows of the held-out tokens (fewer if it is short)."""
+  n = min(n_batches, ((len(tokens) - 1) // seq_len) // batch_size)
+  if n <= 0:
+    raise ValueError(f"held-out split has {len(tokens)} tokens: not one batch of {batch_size}x{seq_len + 1}")
+  return [np.stack([np.asarray(tokens[s:s + seq_len + 1], np.int32)
+                    for s in (b * batch_size + np.arange(batch_size)) * seq_len]) for b in range(n)]
+
+
+def load_splits(data_cfg, *, log=sys.stderr) -> tuple[np.ndarray, np.ndarray, tokenizers.Tokenizer]:
+  """(train tokens, held-out tokens, tokenizer) for a `DataConfig`."""
+  tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path)
+
+  def cached(sources):
+    return build_token_cache(resolve_sources(sources), data_cfg.tokenizer, data_cfg.tokenizer_path,
+                             data_cfg.cache_dir, workers=data_cfg.workers, log=log)
+
+  tokens = cached(data_cfg.sources)
+  if data_cfg.eval_sources:
+    return tokens, cached(data_cfg.eval_sources), tok
+  train, heldout = split_heldout(tokens, tok.eos_id, data_cfg.eval_fraction)
+  return train, heldout, tok

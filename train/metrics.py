@@ -1,0 +1,123 @@
+"""Run output: a one-line progress bar on stderr, JSONL + TensorBoard metrics, a loss plot and a summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Sequence, TextIO
+
+from train import tbevents
+
+
+def _fmt_duration(s: float) -> str:
+  s = int(max(s, 0))
+  return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class ProgressBar:
+  """`\\r`-refreshed line: [route] step/total, loss, tok/s, elapsed and ETA (no tqdm dependency)."""
+
+  def __init__(self, total: int, label: str, *, stream: TextIO = sys.stderr, enabled: bool = True):
+    self.total, self.label, self.stream, self.enabled = total, label, stream, enabled
+    self.t0 = time.time()
+
+  def update(self, step: int, loss: float, tokens_per_s: float, eta_s: float | None) -> None:
+    if not self.enabled:
+      return
+    width = 20
+    done = int(width * step / max(self.total, 1))
+    eta = _fmt_duration(eta_s) if eta_s is not None else "?"
+    self.stream.write(f"\r[{self.label}] |{'#' * done}{'.' * (width - done)}| {step}/{self.total} "
+                      f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s {_fmt_duration(time.time() - self.t0)}"
+                      f" eta {eta}   ")
+    self.stream.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self.stream.write("\n")
+      self.stream.flush()
+
+
+class MetricsLogger:
+  """Appends {"step", "kind", ...} records to metrics.jsonl and the same scalars to a TensorBoard file."""
+
+  def __init__(self, out_dir: str):
+    os.makedirs(out_dir, exist_ok=True)
+    self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+    self._jsonl = open(self.jsonl_path, "a")
+    self._tb = tbevents.EventWriter(os.path.join(out_dir, "tb"))
+
+  def log(self, step: int, kind: str, values: dict[str, float]) -> None:
+    self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+    self._jsonl.flush()
+    self._tb.scalars(step, {f"{kind}/{k}": v for k, v in values.items()})
+    self._tb.flush()
+
+  def close(self) -> None:
+    self._jsonl.close()
+    self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """metrics.jsonl records; on resume the file holds repeated steps, so the last record per (kind, step) wins."""
+  latest: dict[tuple[str, int], dict[str, Any]] = {}
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        r = json.loads(line)
+        latest[(r["kind"], r["step"])] = r
+  return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
+
+
+def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
+  """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, (name, records) in enumerate(curves.items()):
+    color = f"C{i}"
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    evals = [(r["step"], r["loss"]) for r in records if r["kind"] == "eval"]
+    if train:
+      ax.plot(*zip(*train), color=color, label=f"{name} train")
+    if evals:
+      ax.plot(*zip(*evals), "o--", color=color, label=f"{name} held-out")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "peak mem", "status")
+
+
+def _fmt_bytes(n: float | None) -> str:
+  return "n/a" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  """Markdown table of per-route results (`train.train.run` rows): train loss = mean of the last 10 steps,
+  held-out loss after the last step, tok/s over the train steps after the first (compile) step.
+  """
+  lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+  for r in rows:
+    eval_loss = r.get("eval_loss")
+    ppl = math.exp(eval_loss) if eval_loss is not None and eval_loss < 50 else None
+    cells = [
+        r["route"], str(r["steps"]), f"{r['train_loss']:.4f}" if r.get("train_loss") is not None else "n/a",
+        f"{eval_loss:.4f}" if eval_loss is not None else "n/a", f"{ppl:.2f}" if ppl is not None else "n/a",
+        f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a",
+        _fmt_bytes(r.get("peak_bytes")) + (f" ({r['peak_kind']})" if r.get("peak_kind") else ""),
+        r.get("status", "ok"),
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""The training loop: mesh, sharded model + AdamW state, one jitted train step, eval, checkpoints, metrics.
+
+Jit style: functional NNX. `nnx.split((model, optimizer))` gives a static graphdef and one `nnx.State`
+pytree; `train_step(state, batch, step)` merges them inside `jax.jit`, takes the gradient with
+`nnx.value_and_grad`, applies `optimizer.update` and returns the new state. The input state is donated
+(`donate_argnums=0`), so parameters and Adam moments are updated in place. The state is created directly
+with its shardings (`jax.jit(init, out_shardings=...)`), from the `nnx.with_partitioning` metadata the
+model puts on its params (mesh axes ("data", "fsdp")); batches are sharded over both axes.
+
+Randomness: the step key is `fold_in(key(seed), step)`, so a resumed run replays exactly the keys of an
+uninterrupted one; the data position is checkpointed with the state.
+
+Multi-host (documented, untested here): launch one process per host with the usual JAX env
+(JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM/TPU environment) and set
+FP4JAX_DISTRIBUTED=1; `main` then calls `jax.distributed.initialize()` before touching devices. Every host
+builds the same global batch from the same token cache; `jax.make_array_from_callback` keeps only its shards.
+Only process 0 writes logs, plots and tables; Orbax coordinates the checkpoint writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from train import checkpoint, config as config_lib, data, metrics
+
+MESH_AXES = ("data", "fsdp")
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+class NonFiniteLossError(RuntimeError):
+  """Training produced a NaN/inf loss; the run stopped without checkpointing the bad state."""
+
+
+def make_mesh(shape: tuple[int, ...], devices: list[Any] | None = None) -> Mesh:
+  """A ("data", "fsdp") mesh over `devices` (default all); one entry of `shape` may be -1 (the rest)."""
+  devices = jax.devices() if devices is None else devices
+  if len(shape) != 2:
+    raise ValueError(f"run.mesh={shape} must have two entries (data, fsdp)")
+  n = len(devices)
+  known = math.prod(s for s in shape if s != -1)
+  dims = tuple(n // known if s == -1 else s for s in shape)
+  if math.prod(dims) != n:
+    raise ValueError(f"run.mesh={shape} does not cover the {n} devices (resolved to {dims})")
+  return Mesh(np.asarray(devices).reshape(dims), MESH_AXES)
+
+
+def llama_config(cfg: config_lib.Config, vocab_size: int):
+  """The LlamaConfig: preset + overrides, vocab padded to a multiple of 128, max_seq_len >= seq_len."""
+  from fp4jax.nn.llama import LlamaConfig
+  overrides = dict(cfg.model.overrides)
+  overrides.setdefault("vocab_size", -(-vocab_size // 128) * 128)
+  preset = LlamaConfig.preset(cfg.model.preset, **overrides)
+  if preset.max_seq_len < cfg.data.seq_len:
+    preset = dataclasses.replace(preset, max_seq_len=cfg.data.seq_len)
+  if preset.vocab_size < vocab_size:
+    raise ValueError(f"model vocab_size={preset.vocab_size} < tokenizer vocab_size={vocab_size}")
+  return preset
+
+
+def route_rules(cfg: config_lib.Config, n_layers: int):
+  """`rules.extra` ("regex=route", tried first), then the standard recipe for `cfg.route`."""
+  from fp4jax.nn import RouteRules
+  std = RouteRules.standard(cfg.route, n_layers=n_layers, bf16_first=cfg.rules.bf16_first,
+                            bf16_last=cfg.rules.bf16_last)
+  extra = RouteRules.parse(list(cfg.rules.extra)).rules if cfg.rules.extra else ()
+  return RouteRules(tuple(extra) + std.rules, default=std.default)
+
+
+def lr_schedule(o: config_lib.OptimConfig, steps: int) -> optax.Schedule:
+  """Linear warmup, then cosine to min_lr_ratio * lr, or warmup-stable-decay (linear decay at the end)."""
+  warmup = min(o.warmup, max(steps - 1, 0))
+  end = o.lr * o.min_lr_ratio
+  if o.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(steps, warmup + 1), end)
+  if o.schedule == "wsd":
+    decay = max(1, int(round(steps * o.decay_fraction)))
+    stable = max(0, steps - warmup - decay)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, o.lr, warmup), optax.constant_schedule(o.lr),
+         optax.linear_schedule(o.lr, end, decay)], [warmup, warmup + stable])
+  raise ValueError(f"optim.schedule={o.schedule!r}; valid: ['cosine', 'wsd']")
+
+
+def make_tx(o: config_lib.OptimConfig, steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW; weight decay only on matrices (not norm scales)."""
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(o.clip_norm),
+      optax.adamw(lr_schedule(o, steps), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask))
+
+
+def cross_entropy(model, batch: jax.Array, key: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy of batch [B, T+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
+  logits = model(batch[:, :-1], key=key)  # [B, T, V] float32
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@dataclasses.dataclass
+class TrainState:
+  """The jitted functions and live state of one run (what `init_train_state` builds)."""
+  graphdef: Any
+  state: nnx.State
+  mesh: Mesh
+  batch_sharding: NamedSharding
+  train_step: Any
+  eval_step: Any
+
+
+def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
+  from fp4jax.nn.llama import Llama
+  lcfg = llama_config(cfg, vocab_size)
+  rules = route_rules(cfg, lcfg.n_layers)
+  tx = make_tx(cfg.optim, cfg.run.steps)
+  if cfg.model.dtype not in DTYPES:
+    raise ValueError(f"model.dtype={cfg.model.dtype!r}; valid: {list(DTYPES)}")
+
+  def create():
+    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), dtype=DTYPES[cfg.model.dtype])
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  shardings = nnx.get_named_sharding(abstract, mesh)
+  with jax.set_mesh(mesh):
+    state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+  base_key = jax.random.key(cfg.run.seed)
+  eval_key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), 0)
+
+  @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, None, None))
+  def train_step(state, batch, step):
+    model, optimizer = nnx.merge(graphdef, state)
+    key = jax.random.fold_in(base_key, step)
+    loss, grads = nnx.value_and_grad(cross_entropy)(model, batch, key)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss, optax.tree.norm(grads)
+
+  @jax.jit
+  def eval_step(state, batch):
+    model, _ = nnx.merge(graphdef, state)
+    return cross_entropy(model, batch, eval_key)
+
+  batch_sharding = NamedSharding(mesh, P(MESH_AXES, None))
+  return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step)
+
+
+def to_global(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """The global batch as a sharded array; each process materializes only its addressable shards."""
+  return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
+
+
+def peak_memory(devices) -> tuple[int | None, str]:
+  """(bytes, kind): max device peak_bytes_in_use where the backend reports it, else this process's max RSS."""
+  peaks = [s.get("peak_bytes_in_use") for d in devices if (s := d.memory_stats())]
+  peaks = [p for p in peaks if p is not None]
+  if peaks:
+    return max(peaks), "device"
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
+
+
+def evaluate(ts: TrainState, batches: list[np.ndarray]) -> float:
+  losses = [ts.eval_step(ts.state, to_global(b, ts.batch_sharding)) for b in batches]
+  return float(np.mean([float(l) for l in losses]))
+
+
+def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
+        *, label: str | None = None) -> dict[str, Any]:
+  """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}."""
+  r = cfg.run
+  label = label or cfg.route
+  lead = jax.process_index() == 0
+  os.makedirs(r.out_dir, exist_ok=True)
+  if lead:
+    with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
+      yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
+  mesh = make_mesh(r.mesh)
+  if cfg.data.batch_size % mesh.size:
+    raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices")
+  ts = init_train_state(cfg, vocab_size, mesh)
+  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)
+  eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
+  ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
+  start, latest = 0, ckpt.latest_step()
+  if latest is not None and (not r.resume or latest > r.steps):
+    ckpt.close()
+    why = "run.resume=false" if not r.resume else f"it is past run.steps={r.steps}"
+    raise ValueError(f"{ckpt.directory} holds a checkpoint at step {latest} but {why}: use another run.out_dir "
+                     f"or delete it")
+  if latest is not None:
+    ts.state, data_state, start = ckpt.restore(ts.state)
+    it.restore(data_state)
+  log = metrics.MetricsLogger(r.out_dir) if lead else None
+  bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead)
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  losses: dict[int, float] = {}
+  eval_loss, train_time, n_timed, rate = None, 0.0, 0, 0.0
+  window: list[float] = []
+  try:
+    for step in range(start, r.steps):
+      batch = to_global(next(it), ts.batch_sharding)
+      t0 = time.time()
+      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(step))
+      loss = float(loss)  # syncs every step: a NaN is caught before the state is checkpointed
+      if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"[{label}] loss is {loss} at step {step}; stopped. Last good checkpoint: step "
+            f"{ckpt.latest_step()} in {ckpt.directory}")
+      if step > start:  # the first step of a process compiles; throughput counts train steps after it
+        train_time += time.time() - t0
+        n_timed += 1
+      losses[step] = loss
+      window.append(loss)
+      done = step + 1
+      rate = n_timed * tokens_per_step / train_time if n_timed else 0.0
+      eta = (r.steps - done) * tokens_per_step / rate if rate else None
+      bar.update(done, loss, rate, eta)
+      if log and (done % r.log_every == 0 or done == r.steps):
+        log.log(done, "train", {"loss": float(np.mean(window)), "grad_norm": float(gnorm),
+                                "tokens_per_s": rate, "lr": float(lr_schedule(cfg.optim, r.steps)(step))})
+        window = []
+      if (r.eval_every and done % r.eval_every == 0) or done == r.steps:
+        eval_loss = evaluate(ts, eval_batches)
+        if log:
+          log.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
+      if (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps:
+        ckpt.save(done, ts.state, it.state())
+  finally:
+    bar.close()
+    ckpt.close()
+    if log:
+      log.close()
+  if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
+    eval_loss = evaluate(ts, eval_batches)
+  peak, peak_kind = peak_memory(mesh.devices.flat)
+  tail = [losses[s] for s in sorted(losses)[-10:]]
+  row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(tail)) if tail else None,
+         "eval_loss": eval_loss, "tokens_per_s": rate if n_timed else None, "peak_bytes": peak,
+         "peak_kind": peak_kind, "status": "ok"}
+  if lead:
+    curves = {label: metrics.read_jsonl(log.jsonl_path)}
+    metrics.plot_losses(curves, os.path.join(r.out_dir, "loss.png"), title=label)
+  return {**row, "losses": losses}
+
+
+def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
+  """One run per route of `run.routes` (compare mode, out_dir/<route>/) or of `route`; shared data.
+
+  Writes out_dir/table.md, out_dir/summary.json and (compare mode) out_dir/loss.png with every curve. A
+  route whose loss goes non-finite gets a row with that status; compare mode then goes on to the next route.
+  """
+  log = sys.stderr if log is None else log
+  from fp4jax import route as route_lib
+  compare = bool(cfg.run.routes)
+  routes = cfg.run.routes or (cfg.route,)
+  for name in routes:
+    route_lib.get(name)  # fail before tokenizing if a name is wrong
+  train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
+  log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
+            f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
+  rows = []
+  for name in routes:
+    sub = config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)} if compare
+                             else {})
+    try:
+      rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
+    except NonFiniteLossError as e:
+      log.write(f"{e}\n")
+      if not compare:
+        raise
+      rows.append({"route": name, "steps": cfg.run.steps, "status": str(e).split(";")[0].split("] ")[-1]})
+  if jax.process_index() == 0:
+    table = metrics.format_table(rows)
+    with open(os.path.join(cfg.run.out_dir, "table.md"), "w") as f:
+      f.write(table + "\n")
+    with open(os.path.join(cfg.run.out_dir, "summary.json"), "w") as f:
+      json.dump([{k: v for k, v in r.items() if k != "losses"} for r in rows], f, indent=1)
+    if compare:
+      curves = {name: metrics.read_jsonl(p) for name in routes
+                if os.path.exists(p := os.path.join(cfg.run.out_dir, name, "metrics.jsonl"))}
+      metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared")
+  return rows
