@@ -14,6 +14,20 @@ Conventions (the contract the kernels reproduce):
   * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max);
     s_b = e4m3_RN(min(amax_b * (S_enc * fp32(1/6)), 448)) (TE's order); enc_b = S_enc / s_b (0 when s_b = 0);
     q = E2M1(clamp(x * enc_b, +-6)); outer = 1 / S_enc, so dequantized = q * s_b * outer.
+  * NVFP4 SR leaves headroom H = 17/16 (`NV_HEADROOM`, as Quartet II's SR) so that nothing clips and SR is
+    unbiased: S_enc = fp32(scale_max * 6 / H) / amax, s_b = e4m3_RN(min(amax_b * (S_enc * c), 448)) with
+    c = `nv_inv_target(6, H)`, the smallest float32 >= (H / 6) * (1 + 2^-22) (3 ulps above fp32(17/96)).
+    Why: for a normal s_b in [2^e, 2^(e+1)), RN moves t = amax_b * (S_enc * c) by at most 2^(e-4) <= s_b / 16,
+    so t <= s_b * 17/16, with equality only at s_b = 2^e and t on the tie (RNE sends it down to the even 2^e).
+    With u = 2^-24 for t's two float32 roundings, amax_b * S_enc <= 6 * s_b * (17/96) / c * (1 + u) / (1 - u)
+    <= 6 * s_b: the 2^-22 margin absorbs them, and for s_b = 2^e the scaled max fl(amax_b * S_enc) / 2^e is
+    <= 6 exactly (S_enc / 2^e is exact). Any other s_b has t <= s_b * (1 + 1/18): ~0.5% slack for the roundings
+    of enc_b and x * enc_b. The 448 clamp: amax_b * S_enc <= fp32(2688 / H) * (1 + 2u), so s_b = 448 maps a block
+    max to <= 5.65. Both margins are needed (measured: with c = fp32(17/96), 0.5 ulp low, maxima next to ties
+    reach 6 + 2 ulps; with S_enc = 2688 / amax the tensor max has t = 476, s_b = 448 and reaches 6 + 1 ulp).
+    4/6 divides both targets by H (6 / H and 4 / H). Not covered: subnormal E4M3 scales (t < 2^-6, a block amax
+    below ~3.5e-5 of the governing amax; 6e-5 for 4/6), whose RN step is up to 1/3 of the value (or 0): such
+    blocks can still clip or vanish, as in TE and Quartet II.
   * 4/6: per unit, s_b for target maxima 6 and 4 as above, keep the one whose RNE codes have the lower sum of
     squared errors (ties -> 6). The error is measured in the S_enc-scaled dequantized domain,
     (q * s_b - x * S_enc)^2, so neither tiny nor huge tensors over/underflow it; with rounding="sr" the choice is
@@ -68,6 +82,8 @@ EDEN_GROUP = 128
 EDEN_SCALE_OVERSHOOT = (17 / 16) * 0.93
 EDEN_VAL_MAX = E2M1_MAX / EDEN_SCALE_OVERSHOOT
 EDEN_AMAX_DIV = 255.99
+# NVFP4 target headroom per rounding (module docstring): SR aims maxima at v / (17/16) so nothing clips.
+NV_HEADROOM: dict[str, float] = {"rne": 1.0, "sr": 17 / 16}
 
 
 def e2m1_encode_rne(v: jax.Array) -> jax.Array:
@@ -261,9 +277,23 @@ def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
   return jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))
 
 
-def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float) -> jax.Array:
-  """E4M3 block scale aiming the block max at `v_max`: e4m3_RN(min(amax_b * (S_enc * fp32(1/v_max)), 448))."""
-  return e4m3_rn(jnp.minimum(amax_b * (s_enc * jnp.float32(1 / v_max)), E4M3_MAX))
+@functools.cache
+def nv_inv_target(v_max: float, headroom: float) -> np.float32:
+  """The float32 c in s_b = e4m3_RN(amax_b * (S_enc * c)) that aims a block max at v_max / headroom.
+
+  fp32(1 / v_max) without headroom (TE); with headroom the smallest float32 >= (headroom / v_max) * (1 + 2^-22),
+  whose margin covers the float32 roundings of the no-clip bound (module docstring).
+  """
+  if headroom == 1:
+    return np.float32(1 / v_max)
+  want = headroom / v_max * (1 + 2.0**-22)
+  c = np.float32(want)
+  return c if c >= want else np.nextafter(c, np.float32(np.inf))
+
+
+def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom: float = 1.0) -> jax.Array:
+  """E4M3 block scale aiming the block max at `v_max / headroom`: e4m3_RN(min(amax_b * (S_enc * c), 448))."""
+  return e4m3_rn(jnp.minimum(amax_b * (s_enc * nv_inv_target(v_max, headroom)), E4M3_MAX))
 
 
 def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
@@ -273,7 +303,7 @@ def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
   return jnp.clip(xb * enc[..., None], -E2M1_MAX, E2M1_MAX)
 
 
-def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg) -> jax.Array:
+def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg, headroom: float) -> jax.Array:
   """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error."""
   target = xb * s_enc[..., None]  # [..., nb, B]: x in the S_enc-scaled domain
 
@@ -281,7 +311,7 @@ def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg) -> jax.Array:
     q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, s_enc)))
     return _unit_sum(jnp.square(q * s_b.astype(jnp.float32)[..., None] - target), cfg)
 
-  s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0), _nv_block_scale(amax_b, s_enc, 4.0)
+  s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0, headroom), _nv_block_scale(amax_b, s_enc, 4.0, headroom)
   return jnp.where(err(s4) < err(s6), s4, s6)
 
 
@@ -291,15 +321,16 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   spec = cfg.spec
   xk = xb.reshape(*xb.shape[:-2], -1)  # [..., n]
   amax = _OUTER_AMAX[spec.outer](xk, cfg, tensor_amax)  # () or [...]
-  s_enc = nvfp4_encode_scale(amax, spec.scale_max)
+  headroom = NV_HEADROOM[cfg.rounding]
+  s_enc = nvfp4_encode_scale(amax, spec.scale_max / headroom)
   s_enc_b = s_enc if s_enc.ndim == 0 else s_enc[..., None]  # broadcasts against [..., nb]
   bad = _unit_nonfinite(xb, cfg) | ~jnp.isfinite(s_enc_b)
   amax_b = jnp.where(bad, 0.0, _unit_max(jnp.abs(xb), cfg))  # [..., nb]
   s_enc_b = jnp.where(bad, 1.0, s_enc_b)
   if spec.four_over_six:
-    s_b = _four_over_six(xb, amax_b, s_enc_b, cfg)
+    s_b = _four_over_six(xb, amax_b, s_enc_b, cfg, headroom)
   else:
-    s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX)
+    s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom)
   codes = _encode(_nv_scaled(xb, s_b, s_enc_b), cfg, u)
   outer = jnp.where(jnp.isfinite(s_enc), _div(jnp.float32(1.0), s_enc), jnp.nan)
   return _Result(codes, s_b, outer, bad)

@@ -9,6 +9,7 @@ Returns unpacked K-major codes (uint8), scales as raw uint8 bits and the outer f
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import jax
 import ml_dtypes
@@ -19,6 +20,22 @@ GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], F32)
 BLOCK = {"mxfp4": 32, "nvfp4": 16, "nvfp4_46": 16, "nvfp4_tile": 16}
 SCALE_MAX = {"nvfp4": 448.0, "nvfp4_46": 256.0, "nvfp4_tile": 448.0}
 E4M3 = ml_dtypes.float8_e4m3fn
+# NVFP4 SR headroom: targets shrink by 17/16 so that no block max clips (fp4jax/reference.py docstring).
+HEADROOM = {"rne": Fraction(1), "sr": Fraction(17, 16)}
+
+
+def _f32_at_least(q: Fraction) -> np.float32:
+  """The smallest float32 >= q (q positive, in the normal range)."""
+  c = F32(float(q))
+  return c if Fraction(float(c)) >= q else np.nextafter(c, F32(np.inf))
+
+
+def inv_target(vmax: float, rounding: str) -> np.float32:
+  """The block-scale multiplier: fp32(1 / vmax) for RNE, the smallest float32 >= 17/16 / vmax * (1 + 2^-22)
+  for SR (the margin covers float32 rounding in the no-clip bound)."""
+  h = HEADROOM[rounding]
+  return F32(1 / vmax) if h == 1 else _f32_at_least(h / Fraction(vmax) * (1 + Fraction(1, 2**22)))
+
 
 # ----------------------------------------------------------------------------------------------- counter hash
 
@@ -154,14 +171,15 @@ def _units(xk: np.ndarray, block: int, tile_2d: bool, axis: int):
   return xb, umax, usum
 
 
-def _nv_s_enc(amax, scale_max):
+def nv_s_enc(amax, scale_max, rounding="rne"):
+  """S_enc = fp32(scale_max * 6 / headroom) / amax (1 for amax = 0, NaN for a non-finite amax)."""
   amax = F32(amax)
   if not np.isfinite(amax):
     return F32(np.nan)
   if amax == 0:
     return F32(1)
   with np.errstate(over="ignore"):
-    s = F32(scale_max * 6.0) / amax
+    s = F32(float(Fraction(scale_max) * 6 / HEADROOM[rounding])) / amax
   return F32(min(s, np.finfo(F32).max))
 
 
@@ -197,19 +215,19 @@ def quantize_np(x, fmt: str, *, axis: int = -1, rounding: str = "rne", key=None,
     r = rows.shape[0]
     row_amax = np.array([np.abs(rows[i:i + tile_rows]).max() if np.isfinite(rows[i:i + tile_rows]).all() else np.nan
                          for i in range(0, r, tile_rows)], F32)
-    s_enc_rows = np.repeat([_nv_s_enc(a, SCALE_MAX[fmt]) for a in row_amax], tile_rows)[:r].astype(F32)
+    s_enc_rows = np.repeat([nv_s_enc(a, SCALE_MAX[fmt], rounding) for a in row_amax], tile_rows)[:r].astype(F32)
     s_enc = s_enc_rows.reshape(lead)[..., None]  # [..., 1]
     outer = np.where(np.isfinite(s_enc_rows), F32(1) / s_enc_rows, np.nan).astype(F32).reshape(lead)
   else:
     amax_t = np.abs(x).max() if np.isfinite(x).all() else np.nan
-    s = _nv_s_enc(amax_t, SCALE_MAX[fmt])
+    s = nv_s_enc(amax_t, SCALE_MAX[fmt], rounding)
     s_enc = np.full(lead + (1,), s, F32)
     outer = F32(1) / s if np.isfinite(s) else F32(np.nan)
   bad = bad | ~np.isfinite(s_enc)
   s_enc = np.where(np.isfinite(s_enc), s_enc, F32(1)).astype(F32)
 
   def scale_for(vmax):
-    return e4m3_rn(np.minimum(amax_b * (s_enc * F32(1 / vmax)), F32(448)))
+    return e4m3_rn(np.minimum(amax_b * (s_enc * inv_target(vmax, rounding)), F32(448)))
 
   def scaled(s_b):
     sf = s_b.astype(F32)
