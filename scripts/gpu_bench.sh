@@ -17,20 +17,20 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       log "GPU tests"
-      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25 ;;
+      timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25 ;;
     quantize)
       log "fused quantizer bench"
-      timeout 120 python3 -m fp4jax.bench quantize --out "$OUT/quantize" \
+      timeout 75 python3 -m fp4jax.bench quantize --out "$OUT/quantize" \
         --variants "rne/ocp,sr/noclip,w32x32/noclip/0.87,rne/ocp+fp8" 2>&1 | tail -30 ;;
     dot)
       log "fp4_dot bench (Llama-8B up projection, M=16384)"
-      timeout 200 python3 -m fp4jax.bench dot --shapes 0 --routes bf16 mxfp4 mxfp4_h32 nvfp4 \
+      timeout 150 python3 -m fp4jax.bench dot --shapes 0 --routes bf16 mxfp4 mxfp4_h32 nvfp4 \
         --iters 10 --no-check --out "$OUT/dot.json" 2>&1 | tail -45 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
-      timeout 330 python3 -m train --config configs/llama_125m_wiki.yaml \
+      timeout 290 python3 -m train --config configs/llama_125m_wiki.yaml \
         --set "data.sources=[$DATA/wiki/*.xz]" --set "data.tokenizer_path=$DATA/gpt2" \
-        --set run.steps=150 --set run.eval_every=75 --set run.eval_batches=8 --set run.ckpt_every=0 \
+        --set run.steps=150 --set run.eval_every=75 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
         --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" 2>&1 | tail -40 ;;
     *) echo "unknown part $part (tests quantize dot train)"; exit 2 ;;
   esac
