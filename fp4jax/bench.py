@@ -256,7 +256,8 @@ def run_dot(args: argparse.Namespace) -> None:
     return kx, x, w, jax.random.normal(kd, (m, n), jnp.bfloat16)
 
   common = dict(warmup=args.warmup, iters=args.iters)
-  for si, (sname, k, n) in enumerate(shapes):  # GEMM rows first: a run cut short keeps them for every shape.
+  for si, (sname, k, n) in enumerate(shapes if args.gemm_rows else ()):  # GEMM rows first (a run cut short
+    # keeps them for every shape); --no-gemm-rows times only bf16 and fp4_dot.
     kx, x, w, _ = operands(si, k, n)
     flops = 2.0 * m * k * n
     rows.add(sname, "bf16 dot", jax.jit(lambda x, w: jnp.dot(x, w)), (x, w), flops, base=None, **common)
@@ -295,6 +296,8 @@ def run_dot(args: argparse.Namespace) -> None:
   for si, (sname, k, n) in enumerate(shapes if has_dot else ()):
     _, x, w, dy = operands(si, k, n)
     flops = 2.0 * m * k * n
+    if not args.gemm_rows:
+      rows.add(sname, "bf16 dot", jax.jit(lambda x, w: jnp.dot(x, w)), (x, w), flops, base=None, **common)
     for route in args.routes:
       fwd, fwd_bwd = _fp4_dot_fns(route, jax.random.fold_in(key, 7))
       rows.add(sname, f"fp4_dot {route} fwd", fwd, (x, w), flops, base="bf16 dot", **common)
@@ -331,6 +334,8 @@ def _add_dot_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-check", dest="check", action="store_false", help="skip the fp8 vs emulated check")
+  p.add_argument("--no-gemm-rows", dest="gemm_rows", action="store_false",
+                 help="time only bf16 dot and the fp4_dot rows (skip the pre-quantized GEMM rows)")
   p.add_argument("--out", help="write all numbers as JSON here")
 
 

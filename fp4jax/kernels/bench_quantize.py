@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
   rows = run(shapes, variants, log, args.interpret)
   table = _table(rows)
   if args.out:
+    os.makedirs(args.out, exist_ok=True)
     with open(f"{args.out}/bench_quantize.json", "w") as f:
       json.dump(log, f, indent=1, default=str)
     with open(f"{args.out}/bench_quantize_table.txt", "w") as f:
