@@ -223,6 +223,7 @@ def test_bench_quantize_passes_arguments_through(monkeypatch):
 @pytest.mark.gpu
 def test_fp8_path_is_cublas_fp8_gemm_on_gpu():
   key = jax.random.key(0)
-  a, b = bench.random_qtensor(key, "mxfp4", 256, 512), bench.random_qtensor(key, "mxfp4", 128, 512)
+  # At Llama-size shapes (XLA may pick a Triton fusion for small GEMMs: 256x128x512 failed on the H200).
+  a, b = bench.random_qtensor(key, "mxfp4", 4096, 4096), bench.random_qtensor(key, "mxfp4", 4096, 4096)
   hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
   assert bench.cublas_fp8_gemms(hlo)
