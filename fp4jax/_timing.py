@@ -33,11 +33,18 @@ def input_sets(args: tuple, *, l2_bytes: int = L2_BYTES) -> list[tuple]:
   return [args] + copies
 
 
-def bench(fn: Callable, *args, warmup: int = 3, iters: int = 20, rotate: bool = True) -> float:
-  """Median seconds of one `fn(*args)` call (fn should be jitted), rotating input copies when small vs L2."""
+def bench(fn: Callable, *args, warmup: int = 3, iters: int = 20, rotate: bool = True,
+          stats: dict | None = None) -> float:
+  """Median seconds of one `fn(*args)` call (fn should be jitted), rotating input copies when small vs L2.
+
+  stats: if given, receives "first_call_s", the wall time of the first call (compilation included).
+  """
   sets = input_sets(args) if rotate else [args]
   for i in range(max(warmup, len(sets))):  # Compiles, and touches every input set once.
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*sets[i % len(sets)]))
+    if i == 0 and stats is not None:
+      stats["first_call_s"] = time.perf_counter() - t0
   times = []
   for i in range(iters):
     a = sets[i % len(sets)]

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import re
 import sys
+import time
 import traceback
 from typing import Callable
 
@@ -153,15 +154,17 @@ class _Rows:
   def add(self, shape: str, name: str, fn: Callable, args: tuple, flops: float, *, base: str | None,
           warmup: int, iters: int) -> None:
     row = {"shape": shape, "name": name, "flops": flops, "base": base}
+    print(f"  {shape:18s} {name:34s} compiling and timing...", flush=True)
+    stats = {}
     try:
-      t = _timing.bench(fn, *args, warmup=warmup, iters=iters)
-      row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+      t = _timing.bench(fn, *args, warmup=warmup, iters=iters, stats=stats)
+      row.update(ms=t * 1e3, tflops=flops / t / 1e12, first_call_s=stats["first_call_s"])
     except Exception as e:  # pylint: disable=broad-except  (one failing row must not lose the others)
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
       traceback.print_exc(limit=3)
     self.rows.append(row)
-    print(f"  {shape:18s} {name:34s} " + (f"{row['ms']:9.3f} ms" if "ms" in row else row["error"]),
-          flush=True)
+    print(f"  {shape:18s} {name:34s} " + (f"{row['ms']:9.3f} ms (first call {row['first_call_s']:.1f} s)"
+                                           if "ms" in row else row["error"]), flush=True)
     self.dump()
 
   def dump(self) -> None:
@@ -225,6 +228,8 @@ def run_dot(args: argparse.Namespace) -> None:
   has_dot = importlib.util.find_spec("fp4jax.dot") is not None
 
   # HLO check: did the fp8 backend's MXFP4 GEMM become a cuBLAS(Lt) FP8 GEMM?
+  print("HLO check: compiling the fp8 backend's GEMMs...", flush=True)
+  t_hlo = time.perf_counter()
   _, k0, n0 = shapes[0]
   a0, b0 = random_qtensor(key, "mxfp4", m, k0), random_qtensor(key, "mxfp4", n0, k0)
   hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=bf16_out)).lower(a0, b0).compile().as_text()
@@ -239,7 +244,8 @@ def run_dot(args: argparse.Namespace) -> None:
                        "fp8_gemm_no_fast_accum_all_targets": gemm_targets(hlo_precise),
                        "nvfp4_bf16_targets": gemm_targets(hlo_nv),
                        "fp8_is_cublas_fp8_gemm": bool(fp8_targets)}
-  print(f"HLO check: fp8 backend MXFP4 GEMM -> cuBLAS(Lt) FP8 custom call: {bool(fp8_targets)} "
+  print(f"HLO check ({time.perf_counter() - t_hlo:.1f} s): fp8 backend MXFP4 GEMM -> cuBLAS(Lt) FP8 custom call: "
+        f"{bool(fp8_targets)} "
         f"{fp8_targets or gemm_targets(hlo)}; fast_accum=False -> {gemm_targets(hlo_precise)}; "
         f"NVFP4 bf16 path -> {gemm_targets(hlo_nv)}", flush=True)
   if args.check:
