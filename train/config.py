@@ -14,6 +14,22 @@ from typing import Any
 import yaml
 
 
+class ConfigError(ValueError):
+  pass
+
+
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+
+
+def _check_counts(section: str, cfg: Any, rules: dict[str, tuple[Any, str]]) -> None:
+  """Fails on the first field of `cfg` outside its range, naming it and its value (before any data work)."""
+  for name, (ok, need) in rules.items():
+    value = getattr(cfg, name)
+    if not ok(value):
+      raise ConfigError(f"{section}.{name}={value!r} must be {need}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A `LlamaConfig.preset(preset, **overrides)`; vocab_size comes from the tokenizer unless overridden.
@@ -47,6 +63,9 @@ class DataConfig:
   cache_dir: str = ".cache/fp4jax-tokens"
   workers: int = 0  # tokenizer processes; 0 = os.cpu_count()
 
+  def __post_init__(self):
+    _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0})
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -60,6 +79,9 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.95
   clip_norm: float = 1.0
+
+  def __post_init__(self):
+    _check_counts("optim", self, {"warmup": _AT_LEAST_0})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +99,10 @@ class RunConfig:
   mesh: tuple[int, ...] = (-1, 1)
   progress: bool = True
 
+  def __post_init__(self):
+    _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
+                                "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0})
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -86,10 +112,6 @@ class Config:
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   run: RunConfig = RunConfig()
-
-
-class ConfigError(ValueError):
-  pass
 
 
 def _convert(value: Any, tp: Any, where: str) -> Any:

@@ -200,11 +200,16 @@ class WindowIterator:
     return batch
 
   def state(self) -> dict[str, int]:
-    return {"position": self.position, "seed": self.seed}
+    """The position plus what gives it meaning: a different seed, window shape or corpus size would resume
+    on other windows without complaint."""
+    return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+            "batch_size": self.batch_size, "n_windows": self.n_windows}
 
   def restore(self, state: dict[str, int]) -> None:
-    if int(state["seed"]) != self.seed:
-      raise ValueError(f"checkpointed data seed {state['seed']} != configured seed {self.seed}")
+    for name in ("seed", "seq_len", "batch_size", "n_windows"):
+      if name in state and int(state[name]) != getattr(self, name):  # older checkpoints hold seed only
+        raise ValueError(f"checkpointed data {name}={state[name]} != this run's {name}={getattr(self, name)}: "
+                         f"resuming would continue on different windows")
     self.position = int(state["position"])
 
 

@@ -128,6 +128,9 @@ class SentencePieceTokenizer:
     self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     self.vocab_size = self._sp.get_piece_size()
     self.eos_id = self._sp.eos_id()
+    if not 0 <= self.eos_id < self.vocab_size:  # SentencePiece says -1 when the model has no eos piece
+      raise ValueError(f"SentencePiece model {path!r} has no end-of-document piece (eos_id={self.eos_id}); "
+                       f"documents are joined with eos, so it needs one")
     self.name = f"sp-{_file_digest(path)}"
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -10,6 +10,11 @@ model puts on its params (mesh axes ("data", "fsdp")); batches are sharded over 
 Randomness: the step key is `fold_in(key(seed), step)`, so a resumed run replays exactly the keys of an
 uninterrupted one; the data position is checkpointed with the state.
 
+Non-finite guard without a per-step host sync: step t's loss is read after step t+1 is dispatched, so the
+device never waits on the host; before an eval or a checkpoint the latest loss is read synchronously and the
+whole state checked finite (a finite loss says nothing of the update that followed it), so a NaN/inf state is
+never saved and the run stops naming the step.
+
 Multi-host (documented, untested here): launch one process per host with the usual JAX env
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM/TPU environment) and set
 FP4JAX_DISTRIBUTED=1; `main` then calls `jax.distributed.initialize()` before touching devices. Every host
@@ -19,6 +24,7 @@ Only process 0 writes logs, plots and tables; Orbax coordinates the checkpoint w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -44,7 +50,7 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 class NonFiniteLossError(RuntimeError):
-  """Training produced a NaN/inf loss; the run stopped without checkpointing the bad state."""
+  """Training produced a NaN/inf loss or state; the run stopped without checkpointing the bad state."""
 
 
 def make_mesh(shape: tuple[int, ...], devices: list[Any] | None = None) -> Mesh:
@@ -120,6 +126,7 @@ class TrainState:
   batch_sharding: NamedSharding
   train_step: Any
   eval_step: Any
+  all_finite: Any
 
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
@@ -154,8 +161,13 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
     model, _ = nnx.merge(graphdef, state)
     return cross_entropy(model, batch, eval_key)
 
+  @jax.jit
+  def all_finite(state):
+    leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
   batch_sharding = NamedSharding(mesh, P(MESH_AXES, None))
-  return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step)
+  return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step, all_finite)
 
 
 def to_global(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -175,6 +187,57 @@ def peak_memory(devices) -> tuple[int | None, str]:
 def evaluate(ts: TrainState, batches: list[np.ndarray]) -> float:
   losses = [ts.eval_step(ts.state, to_global(b, ts.batch_sharding)) for b in batches]
   return float(np.mean([float(l) for l in losses]))
+
+
+class _StepRecorder:
+  """Checks and records each step's loss once it is read to the host, one step behind the dispatch.
+
+  `record` blocks on the loss array, so the loop calls it for step t only after step t+1 is dispatched (and
+  synchronously before an eval or a checkpoint). Throughput counts the wall time from the end of the
+  first (compiling) step of this process to the end of the latest one, less the eval/checkpoint pauses.
+  """
+
+  def __init__(self, cfg: config_lib.Config, label: str, ckpt: checkpoint.Checkpointer,
+               log: metrics.MetricsLogger | None, bar: metrics.ProgressBar):
+    self.cfg, self.label, self.ckpt, self.log, self.bar = cfg, label, ckpt, log, bar
+    self.schedule = lr_schedule(cfg.optim, cfg.run.steps)
+    self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    self.losses: dict[int, float] = {}
+    self.rate = 0.0
+    self._window: list[float] = []
+    self._t_first: float | None = None
+    self._n_timed, self._pause_s = 0, 0.0
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Time spent inside (eval, checkpoint) is left out of the throughput."""
+    t0 = time.time()
+    try:
+      yield
+    finally:
+      self._pause_s += time.time() - t0
+
+  def record(self, step: int, loss: jax.Array, gnorm: jax.Array) -> None:
+    value = float(loss)  # blocks until the step has run
+    if not math.isfinite(value):
+      raise NonFiniteLossError(
+          f"[{self.label}] loss is {value} at step {step}; stopped. Last good checkpoint: step "
+          f"{self.ckpt.latest_step()} in {self.ckpt.directory}")
+    now = time.time()
+    if self._t_first is None:
+      self._t_first, self._pause_s = now, 0.0
+    else:
+      self._n_timed += 1
+      self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
+    self.losses[step] = value
+    self._window.append(value)
+    done, total = step + 1, self.cfg.run.steps
+    eta = (total - done) * self.tokens_per_step / self.rate if self.rate else None
+    self.bar.update(done, value, self.rate, eta)
+    if self.log and (done % self.cfg.run.log_every == 0 or done == total):
+      self.log.log(done, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
+                                   "tokens_per_s": self.rate, "lr": float(self.schedule(step))})
+      self._window = []
 
 
 def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
@@ -205,39 +268,34 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
     it.restore(data_state)
   log = metrics.MetricsLogger(r.out_dir) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead)
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  losses: dict[int, float] = {}
-  eval_loss, train_time, n_timed, rate = None, 0.0, 0, 0.0
-  window: list[float] = []
+  rec = _StepRecorder(cfg, label, ckpt, log, bar)
+  eval_loss = None
+  pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   try:
     for step in range(start, r.steps):
       batch = to_global(next(it), ts.batch_sharding)
-      t0 = time.time()
       ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(step))
-      loss = float(loss)  # syncs every step: a NaN is caught before the state is checkpointed
-      if not math.isfinite(loss):
-        raise NonFiniteLossError(
-            f"[{label}] loss is {loss} at step {step}; stopped. Last good checkpoint: step "
-            f"{ckpt.latest_step()} in {ckpt.directory}")
-      if step > start:  # the first step of a process compiles; throughput counts train steps after it
-        train_time += time.time() - t0
-        n_timed += 1
-      losses[step] = loss
-      window.append(loss)
+      if pending:  # the previous step's loss, read while this step runs: no device idle time
+        rec.record(*pending)
+      pending = (step, loss, gnorm)
       done = step + 1
-      rate = n_timed * tokens_per_step / train_time if n_timed else 0.0
-      eta = (r.steps - done) * tokens_per_step / rate if rate else None
-      bar.update(done, loss, rate, eta)
-      if log and (done % r.log_every == 0 or done == r.steps):
-        log.log(done, "train", {"loss": float(np.mean(window)), "grad_norm": float(gnorm),
-                                "tokens_per_s": rate, "lr": float(lr_schedule(cfg.optim, r.steps)(step))})
-        window = []
-      if (r.eval_every and done % r.eval_every == 0) or done == r.steps:
-        eval_loss = evaluate(ts, eval_batches)
+      do_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
+      do_ckpt = (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps
+      if do_eval or do_ckpt:
+        rec.record(*pending)
+        pending = None
+      if do_eval:
+        with rec.paused():
+          eval_loss = evaluate(ts, eval_batches)
         if log:
           log.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
-      if (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps:
-        ckpt.save(done, ts.state, it.state())
+      if do_ckpt:
+        with rec.paused():
+          if not bool(ts.all_finite(ts.state)):  # a finite loss does not prove the update after it finite
+            raise NonFiniteLossError(
+                f"[{label}] state is non-finite after step {step} (whose loss was finite); stopped before "
+                f"saving it. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+          ckpt.save(done, ts.state, it.state())
   finally:
     bar.close()
     ckpt.close()
@@ -246,14 +304,14 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
     eval_loss = evaluate(ts, eval_batches)
   peak, peak_kind = peak_memory(mesh.devices.flat)
-  tail = [losses[s] for s in sorted(losses)[-10:]]
+  tail = [rec.losses[s] for s in sorted(rec.losses)[-10:]]
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(tail)) if tail else None,
-         "eval_loss": eval_loss, "tokens_per_s": rate if n_timed else None, "peak_bytes": peak,
+         "eval_loss": eval_loss, "tokens_per_s": rec.rate or None, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
     metrics.plot_losses(curves, os.path.join(r.out_dir, "loss.png"), title=label)
-  return {**row, "losses": losses}
+  return {**row, "losses": rec.losses}
 
 
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:

@@ -36,6 +36,11 @@ def test_yaml_and_overrides(tmp_path):
     ("optim=3", r"optim: expected a mapping"),
     ("optim.lr=[1]", r"optim.lr: expected a number"),
     ("noequals", r"must look like key.sub=value"),
+    ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
+    ("run.steps=0", r"run.steps=0 must be >= 1"),
+    ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
+    ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
+    ("optim.warmup=-5", r"optim.warmup=-5 must be >= 0"),
 ])
 def test_errors(override, match):
   with pytest.raises(config.ConfigError, match=match):

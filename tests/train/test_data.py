@@ -82,6 +82,24 @@ def test_iterator_deterministic_and_resumable():
     other.restore(state)
 
 
+@pytest.mark.parametrize("changed,match", [
+    (dict(batch_size=5), "data batch_size=7 != this run's batch_size=5"),
+    (dict(seq_len=9), "data seq_len=10 != this run's seq_len=9"),
+    (dict(tokens=np.arange(2000, dtype=np.uint16)), "data n_windows=99 != this run's n_windows=199"),
+])
+def test_restore_rejects_a_different_window_layout(changed, match):
+  # The position counts batches of one layout; under another it would silently resume on other windows.
+  a = data.WindowIterator(np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3)
+  next(a)
+  kwargs = dict(tokens=np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3) | changed
+  with pytest.raises(ValueError, match=match):
+    data.WindowIterator(**kwargs).restore(a.state())
+  legacy = {"position": 1, "seed": 3}  # checkpoints written before the layout was recorded
+  b = data.WindowIterator(np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3)
+  b.restore(legacy)
+  np.testing.assert_array_equal(next(b), next(a))
+
+
 def test_load_splits_with_eval_file(tmp_path):
   files = _corpus(tmp_path)
   cfg = config.DataConfig(sources=tuple(files[:2]), eval_sources=(files[2],), cache_dir=str(tmp_path / "c"))

@@ -54,6 +54,28 @@ def test_sentencepiece():
   assert tok.decode(ids) == "Hello world"
 
 
+def test_sentencepiece_without_eos_is_rejected(tmp_path, monkeypatch):
+  # A model trained with eos_id=-1 (no eos piece): -1 would be written to the uint16 cache as 65535.
+  import sys
+  import types
+
+  class NoEosProcessor:
+    def __init__(self, model_file):
+      del model_file
+
+    def get_piece_size(self):
+      return 1000
+
+    def eos_id(self):
+      return -1
+
+  monkeypatch.setitem(sys.modules, "sentencepiece", types.SimpleNamespace(SentencePieceProcessor=NoEosProcessor))
+  model = tmp_path / "no_eos.model"
+  model.write_bytes(b"model")
+  with pytest.raises(ValueError, match=r"no_eos.model' has no end-of-document piece \(eos_id=-1\)"):
+    tokenizers.get_tokenizer("sentencepiece", str(model))
+
+
 def test_unknown_kind():
   with pytest.raises(ValueError, match=r"unknown tokenizer kind='bpe'.*'byte'"):
     tokenizers.get_tokenizer("bpe")

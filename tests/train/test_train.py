@@ -1,5 +1,6 @@
-"""The training loop on a tiny Llama (float32 compute, CPU): loss goes down, exact resume, NaN stop,
-compare mode outputs, and a sharded step on an 8-device CPU mesh equal to the single-device step."""
+"""The training loop on a tiny Llama (float32 compute, CPU): loss goes down, exact resume, NaN stop (one
+step behind, never saving a bad state), compare mode outputs, and a sharded step on an 8-device CPU mesh
+equal to the single-device step."""
 
 import json
 import os
@@ -8,10 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import config, tbevents, train
+from train import checkpoint, config, tbevents, train
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
 TOKENS = np.frombuffer(TEXT, np.uint8).astype(np.uint16)
@@ -49,11 +51,48 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
     train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
 
 
-def test_non_finite_loss_stops_with_message(tmp_path):
+def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
+  """Makes train.run's step return a NaN loss at `bad_step` (state untouched); returns the dispatched steps."""
+  dispatched = []
+  real_init = train.init_train_state
+
+  def init(*args, **kwargs):
+    ts = real_init(*args, **kwargs)
+    real_step = ts.train_step
+
+    def step_fn(state, batch, step):
+      dispatched.append(int(step))
+      state, loss, gnorm = real_step(state, batch, step)
+      return state, jnp.where(step == bad_step, jnp.nan, loss), gnorm
+
+    ts.train_step = step_fn
+    return ts
+
+  monkeypatch.setattr(train, "init_train_state", init)
+  return dispatched
+
+
+@pytest.mark.parametrize("ckpt_every,last_good", [(1, "3"), (0, "None")])
+def test_non_finite_loss_stops_with_message(tmp_path, monkeypatch, ckpt_every, last_good):
+  dispatched = _nan_loss_at(monkeypatch, 3)
+  cfg = tiny_cfg(tmp_path, f"run.ckpt_every={ckpt_every}")
+  with pytest.raises(train.NonFiniteLossError,
+                     match=rf"loss is nan at step 3; stopped. Last good checkpoint: step {last_good} in .*ckpt"):
+    train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  # Saving after step 3 checks its loss first; otherwise it is read once step 4 runs (no per-step sync).
+  assert dispatched == ([0, 1, 2, 3] if ckpt_every else [0, 1, 2, 3, 4])
+  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == (3 if ckpt_every
+                                                                                            else None)
+
+
+def test_non_finite_state_is_never_checkpointed(tmp_path):
+  # lr=nan: step 0's loss is finite (initial params) but its update makes every parameter NaN.
   cfg = tiny_cfg(tmp_path, "optim.lr=nan", "optim.warmup=0", "run.ckpt_every=1")
   with pytest.raises(train.NonFiniteLossError,
-                     match=r"loss is nan at step 1; stopped. Last good checkpoint: step 1 in .*ckpt"):
+                     match=r"state is non-finite after step 0 .*stopped before saving it. Last good checkpoint: "
+                           r"step None in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() is None
 
 
 def test_compare_mode_writes_table_and_plot(tmp_path):

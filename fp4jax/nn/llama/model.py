@@ -58,7 +58,10 @@ class Llama(nnx.Module):
       x = block(x, positions, key=key)
     x = self.norm(x)
     if self.lm_head is None:
-      logits = self.embed.attend(x)  # [B, T, V], bf16
+      # embed.attend would round the logits to bf16 (~0.4% of each, before the softmax); accumulate and
+      # return them in float32 from the same bf16 operands instead.
+      table = self.embed.embedding[...].astype(x.dtype)  # [V, D]
+      logits = jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)  # [B, T, V]
     else:
       head_index = LINEARS_PER_BLOCK * self.config.n_layers
       head_key = None if key is None else jax.random.fold_in(key, head_index)
