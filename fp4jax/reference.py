@@ -36,16 +36,27 @@ Conventions (the contract the kernels reproduce):
     `tile_rows` rows (the last may be shorter) uses its own amax in the NVFP4 formula; outer is per row.
   * Stochastic rounding draws its uniform for element i from `fp4jax.prng` with counter = i's row-major flat
     index in the *original* array, stream `STREAM_ELEMENT_SR`: round up iff u < (|v| - lo) / (hi - lo).
-  * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): NUMERICS.md's steps; sums over a 128-element group are pairwise
-    halving trees (`_tree_sum`), and the scale's SR uses stream `STREAM_SCALE_SR` with counter = the block's
-    row-major flat index in the K-major scales array. s_dec = amax * fp32(1 / (255.99 * val_max)) (1 when
-    amax = 0, at least float32 tiny), s_b = e4m3_RN(amax_g * fp32(1 / val_max) / s_dec).
+  * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): NUMERICS.md's steps, every operation one float32 rounding, in
+    this order (val_max = `EDEN_VAL_MAX`; `_eden_targets` computes up to t):
+      s_dec = amax * fp32(1 / (255.99 * val_max)) (1 when amax = 0, at least float32 tiny);
+      s_b = e4m3_RN(min((amax_b * fp32(1 / val_max)) / s_dec, 448)) (1 where that is 0);
+      ys = x / (s_b * s_dec) (the product first, then one division per element); q = E2M1_RNE(ys);
+      num = tree(ys * ys), den = tree(ys * q) per 128-element group: each product rounded to float32 (no FMA), then
+      `_tree_sum`'s halving tree; c = num / den (1 when den = 0); t = min(s_b * c, 448);
+      scale = e4m3_SR(t): lo <= t < hi the neighbouring E4M3 values, up iff u < (t - lo) / (hi - lo) (exact:
+      t - lo is exact and hi - lo a power of two), u from stream `STREAM_SCALE_SR` with counter = the block's
+      row-major flat index in the K-major scales array.
+    The SR decision exposes every ulp of t, so t must be bit-exact: XLA's FMA contraction of the products into the
+    sum, or its x * (1 / d) for the divisions, changed t in 29% of the groups (measured on CPU) and the scale in
+    1 group of 516,096 (tests/test_reference.py::test_eden_scale_regression).
   * Divisions are correctly rounded IEEE divisions by a computed value (`_div`); a constant divisor is written as
-    a multiplication by its float32 reciprocal. XLA's simplifier rewrites x / c into x * (1 / c) and
-    a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU), so `_div` hides the divisor
-    behind an optimization barrier; kernels must divide exactly too.
-  * Sums that decide something (4/6 errors, EDEN's correction) are pairwise halving trees in a fixed order; a
-    2-D tile is summed along the original array's columns first, then its rows, so both orientations agree.
+    a multiplication by its float32 reciprocal. XLA's simplifier rewrites x / c into x * (1 / c),
+    a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU) and a / broadcast(b) into
+    a * broadcast(1 / b), so `_div` broadcasts the divisor and hides it behind an optimization barrier; kernels
+    must divide exactly too.
+  * Sums that decide something (4/6 errors, EDEN's correction) are pairwise halving trees in a fixed order over
+    float32 values (`_tree_sum` keeps products out of the first level: no FMA); a 2-D tile is summed along the
+    original array's columns first, then its rows, so both orientations agree.
   * Non-finite input: a scale unit holding NaN or +-Inf gets a NaN scale (E8M0 0xFF, E4M3 0x7F) and zero codes,
     so it dequantizes to NaN; a non-finite tensor (or row-tile) amax makes outer NaN and every scale it governs
     NaN with zero codes. Never finite garbage.
@@ -144,12 +155,22 @@ def pow2(e: jax.Array) -> jax.Array:
 
 
 def _div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a / b, correctly rounded: the barrier stops XLA from rewriting it into a multiplication by 1 / b."""
+  """a / b, correctly rounded: the barrier stops XLA from rewriting it into a multiplication by 1 / b.
+
+  The divisor is broadcast to the result's shape *before* the barrier: XLA rewrites a / broadcast(b) into
+  a * broadcast(1 / b) (measured on CPU: 27% of x[:, j] / b[:, None] off by an ulp), barrier or not.
+  """
+  a, b = jnp.broadcast_arrays(a, b)
   return a / jax.lax.optimization_barrier(b)
 
 
 def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
-  """Sum along `axis` (a power-of-two length) by halving: a[:n/2] + a[n/2:], repeated. A fixed order."""
+  """Sum along `axis` (a power-of-two length) by halving: a[:n/2] + a[n/2:], repeated. A fixed order.
+
+  The barrier makes the tree add `a` as rounded float32 values: otherwise XLA fuses the producer of `a` into the
+  first level and contracts p * q + r * s into an FMA (measured on CPU: 25% of random float32 cases differ).
+  """
+  a = jax.lax.optimization_barrier(a)
   axis = axis % a.ndim
   while a.shape[axis] > 1:
     h = a.shape[axis] // 2
@@ -305,7 +326,9 @@ def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
 
 def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg, headroom: float) -> jax.Array:
   """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error."""
-  target = xb * s_enc[..., None]  # [..., nb, B]: x in the S_enc-scaled domain
+  # [..., nb, B]: x in the S_enc-scaled domain, rounded to float32 here: the barrier keeps XLA from contracting
+  # the product into the subtraction below (an FMA). q * s_b is exact, so that side needs none.
+  target = jax.lax.optimization_barrier(xb * s_enc[..., None])
 
   def err(s_b):
     q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, s_enc)))
@@ -336,15 +359,14 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   return _Result(codes, s_b, outer, bad)
 
 
-def _quantize_eden(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
-  """MS-EDEN (Quartet II): RTN codes, E4M3 scales corrected per 128 group and rounded stochastically."""
-  del u
-  lead, nb, b = xb.shape[:-2], xb.shape[-2], xb.shape[-1]
-  amax = _tensor_amax(xb, cfg, tensor_amax)
+def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """MS-EDEN up to the scale's SR: (codes [..., nb, B], t [..., nb], s_dec, bad [..., nb]) (module docstring)."""
+  lead, nb = xb.shape[:-2], xb.shape[-2]
+  amax = _amax(xb) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
   s_dec = amax * jnp.float32(1 / (EDEN_AMAX_DIV * EDEN_VAL_MAX))
   s_dec = jnp.where(amax == 0, 1.0, jnp.maximum(s_dec, _F32_TINY))
-  per_group = EDEN_GROUP // b
-  bad = _unit_nonfinite(xb, cfg)
+  per_group = EDEN_GROUP // xb.shape[-1]
+  bad = jnp.any(~jnp.isfinite(xb), axis=-1)  # [..., nb]
   bad = jnp.repeat(bad.reshape(*lead, nb // per_group, per_group).any(-1), per_group, axis=-1)
   bad = bad | ~jnp.isfinite(s_dec)
   amax_b = jnp.where(bad, 0.0, jnp.max(jnp.abs(xb), axis=-1))  # [..., nb]
@@ -354,11 +376,17 @@ def _quantize_eden(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   codes = e2m1_encode_rne(ys)
   q = e2m1_decode(codes)
   groups = (*lead, nb // per_group, EDEN_GROUP)
-  num = _tree_sum(jnp.square(ys).reshape(groups), -1)  # [..., n / 128]
+  num = _tree_sum((ys * ys).reshape(groups), -1)  # [..., n / 128]
   den = _tree_sum((ys * q).reshape(groups), -1)
   c = jnp.where(den == 0, 1.0, _div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.minimum(s_b * jnp.repeat(c, per_group, axis=-1), E4M3_MAX)  # [..., nb]
-  t = jnp.where(bad, 1.0, t)
+  return codes, jnp.where(bad, 1.0, t), s_dec, bad
+
+
+def _quantize_eden(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
+  """MS-EDEN (Quartet II): RTN codes, E4M3 scales corrected per 128 group and rounded stochastically."""
+  del u, cfg
+  codes, t, s_dec, bad = _eden_targets(xb, tensor_amax)
   k0, k1 = prng.seed_words(key, prng.STREAM_SCALE_SR)
   scales = e4m3_sr(t, prng.uniform_from_bits(prng.hash_bits(k0, k1, prng.flat_index(t.shape))))
   return _Result(codes, scales, jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan), bad)

@@ -256,7 +256,9 @@ def quantize_np(x, fmt: str, *, axis: int = -1, rounding: str = "rne", key=None,
   return codes.reshape(*lead, n), scales, outer
 
 
-def _eden_np(xb, key, bad):
+def eden_targets_np(xb, bad):
+  """MS-EDEN up to the scale's SR: (codes, t [..., nb] float32, s_dec, bad), in the float32 order of
+  fp4jax/reference.py's docstring (every product and quotient rounded to float32 on its own)."""
   lead, nb = xb.shape[:-2], xb.shape[-2]
   amax = np.abs(xb).max() if np.isfinite(xb).all() else np.nan
   val_max = 6.0 / ((17 / 16) * 0.93)
@@ -267,7 +269,7 @@ def _eden_np(xb, key, bad):
   bad = np.repeat(bad.reshape(*lead, nb // 8, 8).any(-1), 8, -1) | (not np.isfinite(s_dec))
   amax_b = np.where(bad, 0, np.abs(np.where(np.isfinite(xb), xb, 0)).max(-1)).astype(F32)
   with np.errstate(invalid="ignore"):
-    s_b = e4m3_rn(np.minimum(amax_b * F32(1 / val_max) / s_dec, F32(448))).astype(F32)
+    s_b = e4m3_rn(np.minimum((amax_b * F32(1 / val_max)).astype(F32) / s_dec, F32(448))).astype(F32)
   s_b = np.where(s_b == 0, F32(1), s_b)
   with np.errstate(invalid="ignore"):
     ys = (xb / (s_b * s_dec).astype(F32)[..., None]).astype(F32)
@@ -278,13 +280,16 @@ def _eden_np(xb, key, bad):
     den = tree_sum((ys * q).astype(F32).reshape(g), -1)
     c = np.where(den == 0, F32(1), num / np.where(den == 0, F32(1), den)).astype(F32)
     t = np.minimum((s_b * np.repeat(c, 8, -1)).astype(F32), F32(448))
-  t = np.where(bad, F32(1), t)
+  return codes, np.where(bad, F32(1), t).astype(F32), F32(s_dec), bad
+
+
+def _eden_np(xb, key, bad):
+  codes, t, s_dec, bad = eden_targets_np(xb, bad)
   u = uniforms(key, 1, np.arange(t.size, dtype=np.uint32)).reshape(t.shape)
   scales = e4m3_sr(t, u)
   codes[bad] = 0
   scales[bad] = 0x7F
-  n = nb * 16
-  return codes.reshape(*lead, n), scales, F32(s_dec)
+  return codes.reshape(*xb.shape[:-2], xb.shape[-2] * 16), scales, s_dec
 
 
 def dequantize_np(codes, scale_bits, outer, fmt: str) -> np.ndarray:
