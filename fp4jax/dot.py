@@ -70,31 +70,60 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   route = route_lib.get(route)
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"fp4_dot needs x [..., K] and w [K, N]: {x.shape=}, {w.shape=}")
-  if route.high_precision:
-    return jnp.dot(x, w).astype(x.dtype)
+  if impl is not None and impl not in kernels.BACKENDS:
+    raise ValueError(f"unknown GEMM backend {impl=}; known: {list(kernels.BACKENDS)}")
+  if key is not None:
+    _check_key(key)
+  elif route.needs_key:
+    raise ValueError(f"route {route.name!r} draws random bits (SR, MS-EDEN or random Hadamard): pass key=")
   *lead, k = x.shape
   n = w.shape[1]
   m = math.prod(lead)
   _check_dims(route, m=m, k=k, n=n)
+  if route.high_precision or 0 in (m, k, n):  # Empty operands: the product is zeros (or empty) in any route.
+    return jnp.dot(x, w).astype(x.dtype)
   if key is None:
-    if route.needs_key:
-      raise ValueError(f"route {route.name!r} draws random bits (SR, MS-EDEN or random Hadamard): pass key=")
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
   plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype))
+  x, w = _vary_alike(x, w, key)
   y = _dot2d(plan, x.reshape(m, k), w, key)  # [M, N]
   return y.reshape(*lead, n)
+
+
+def _check_key(key) -> None:
+  """A single key: typed (`jax.random.key`) of shape (), or raw (`jax.random.PRNGKey`) uint32 [n]."""
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  if not (shape == () if typed else dtype == jnp.uint32 and len(shape) == 1):
+    raise ValueError(f"fp4_dot needs key= one JAX PRNG key (jax.random.key, or a raw uint32 key from "
+                     f"jax.random.PRNGKey; jax.vmap over a batch of keys), got {type(key).__name__} with "
+                     f"{dtype=}, {shape=}")
+
+
+def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x and w cast to vary over every shard_map axis that any of x, w, key varies over.
+
+  Inside `shard_map` a custom_vjp must return cotangents of its primals' types: dW of a replicated w computed
+  from a sharded x varies over the mesh axis, w does not. Casting w to varying first (as a plain dot does
+  implicitly) makes the types agree, and the cast's transpose sums dW over that axis. No-op outside shard_map.
+  """
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+  axes = frozenset().union(*(varying(a) for a in (x, w, key)))
+  return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
 
 
 def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
   """Each quantized operand needs its GEMM's contraction dim (and, for 2-D tiles, the other) divisible."""
   contraction = {"fprop": ("K", k), "dgrad": ("N", n), "wgrad": ("M", m)}
-  tile_other = {"fprop_w": ("N", n), "dgrad_w": ("K", k)}  # The non-contraction dim of a 2-D tiled W.
+  # The non-contraction dim of each operand (2-D tiles span it too).
+  tile_other = {"fprop_x": ("M", m), "fprop_w": ("N", n), "dgrad_dy": ("M", m), "dgrad_w": ("K", k),
+                "wgrad_x": ("K", k), "wgrad_dy": ("N", n)}
   for gemm, (_, *roles) in route_lib.GEMMS.items():
     for role in roles:
       spec = route.spec(role)
       checks = [(*contraction[gemm], f"{gemm} contraction", reason, mult)
                 for reason, mult in spec.blocks.items()]
-      if spec.tile_2d and role in tile_other:
+      if spec.tile_2d:
         checks.append((*tile_other[role], "2-D tile", f"{spec.fmt} tile", FORMATS[spec.fmt].block))
       for dim, value, why, reason, mult in checks:
         if value % mult:
@@ -121,10 +150,11 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: s
                  clip_fraction=spec.clip_fraction)
   if _fused_quantizer_covers(v, spec):
     memo = fused_views if rkey is None and fused_views is not None else {}
-    views = memo.get((id(v), spec))
-    if views is None:
+    # Keyed by id, with the array kept in the entry: it stays alive, so its id cannot be reused meanwhile.
+    source, views = memo.get((id(v), spec), (None, None))
+    if source is not v:
       views = quantize_fused.quantize_dual(v, spec.fmt, interpret=FUSED_QUANTIZER == "interpret", **options)
-      memo[(id(v), spec)] = views
+      memo[(id(v), spec)] = (v, views)
     return views[0] if axis == 1 else views[1]
   return quantize(v, spec.fmt, axis=axis, **options)
 

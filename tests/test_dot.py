@@ -277,6 +277,26 @@ def test_shape_errors(shape_x, shape_w, match):
     fp4_dot(jnp.ones(shape_x), jnp.ones(shape_w), route="mxfp4", key=jax.random.key(0))
 
 
+def test_2d_tiles_on_activations_name_the_tiled_dim():
+  tiled_dy = routes.OperandSpec("mxfp4", tile_2d=True)
+  route = routes.Route("tiled_dy", dgrad_dy=tiled_dy, dgrad_w=routes.OperandSpec("mxfp4"))
+  with pytest.raises(ValueError, match=r"M=48 \(2-D tile\) must be a multiple of 32 \(dgrad_dy: mxfp4 tile"):
+    fp4_dot(jnp.ones((48, 64)), jnp.ones((64, 64)), route=route)
+
+
+@pytest.mark.parametrize("shape_x, shape_w", [((2, 0, 64), (64, 32)), ((32, 0), (0, 32)), ((32, 64), (64, 0))])
+def test_empty_operands_give_the_empty_product(shape_x, shape_w):
+  """Zero tokens (or K = 0, N = 0): the product of empty operands, zero gradients, as jnp.dot."""
+  x, w = jnp.ones(shape_x, jnp.bfloat16), jnp.ones(shape_w)
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))
+  got = jax.value_and_grad(loss(lambda x, w: fp4_dot(x, w, route="nvfp4", key=jax.random.key(0))),
+                           argnums=(0, 1))(x, w)
+  want = jax.value_and_grad(loss(lambda x, w: jnp.dot(x, w).astype(x.dtype)), argnums=(0, 1))(x, w)
+  for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert (g.shape, g.dtype) == (e.shape, e.dtype)
+    np.testing.assert_array_equal(g, e)
+
+
 def test_quartet2_needs_rht_block_on_tokens():
   with pytest.raises(ValueError, match=r"M=64 \(wgrad contraction\) must be a multiple of 128"):
     fp4_dot(jnp.ones((64, 64)), jnp.ones((64, 128)), route="quartet2", key=jax.random.key(0))
@@ -289,6 +309,23 @@ def test_backend_selection_and_errors():
   with pytest.raises(ValueError, match="unknown GEMM backend impl='nope'.*emulated"):
     fp4_dot(x, w, route="mxfp4_rtn", impl="nope")
   _close(fp4_dot(x, w, route="mxfp4_rtn", impl="emulated"), fp4_dot(x, w, route="mxfp4_rtn"))
+
+
+@pytest.mark.parametrize("route", ["bf16", MIXED_ROUTES["weight_only"]])
+def test_unknown_backend_fails_even_where_no_fp4_gemm_runs(route):
+  """A misspelt impl= is an error on every route, not only where both operands of a GEMM are FP4."""
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="unknown GEMM backend impl='nope'"):
+    fp4_dot(x, w, route=route, impl="nope")
+
+
+@pytest.mark.parametrize("key", [0, jnp.zeros(2), jnp.zeros(2, jnp.int32), jax.random.split(jax.random.key(0))],
+                         ids=["int", "float32", "int32", "batch_of_keys"])
+def test_bad_key_fails_at_the_call(key):
+  """The forward of the SR routes reads no key (RNE); a bad key must fail at the call, not in the backward."""
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="one JAX PRNG key.*dtype="):
+    fp4_dot(x, w, route="nvfp4_sr", key=key)
 
 
 def test_missing_backend_module_fails_only_when_asked_for(monkeypatch):
@@ -363,11 +400,50 @@ for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
 """
 
 
-def test_sharded_jit_matches_unsharded():
-  """Data-parallel x and column-sharded w over 2 CPU devices (a fresh process: the device count is fixed at
-  start-up) give the unsharded numbers: the NVFP4 tensor amax and the SR counters are global."""
+def _run_on_2_cpu_devices(script):
+  """Runs `script` in a fresh process with 2 CPU devices (the device count is fixed at start-up)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_sharded_jit_matches_unsharded():
+  """Data-parallel x and column-sharded w over 2 CPU devices give the unsharded numbers: the NVFP4 tensor
+  amax and the SR counters are global."""
+  _run_on_2_cpu_devices(_SHARDED)
+
+
+_SHARD_MAP = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from fp4jax.dot import fp4_dot
+mesh = jax.make_mesh((2,), ("x",))
+x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+w = jax.random.normal(jax.random.key(1), (64, 32))
+key = jax.random.key(2)
+local = lambda x, w: fp4_dot(x, w, route="nvfp4", key=key)
+loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+# (x spec, w spec, out spec, the same per-shard computation as a vmap over the shards)
+split_n = lambda f: lambda x, w: jnp.concatenate(jax.vmap(f, (None, 1), 0)(x, w.reshape(64, 2, 16)), axis=-1)
+cases = [
+    (P("x"), P(), P("x"), lambda f: jax.vmap(f, (0, None))),  # data parallel: dW summed over the shards
+    (P(), P(None, "x"), P(None, None, "x"), split_n),  # column-parallel w: dX summed over the shards
+]
+for xs, ws, ys, per_shard in cases:
+  f = jax.shard_map(local, mesh=mesh, in_specs=(xs, ws), out_specs=ys)
+  args = jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(w, NamedSharding(mesh, ws))
+  got = jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1)))(*args)
+  # Each device quantizes its own shard (the NVFP4 tensor amax is per shard), as vmap does per example.
+  want = jax.jit(jax.value_and_grad(loss(per_shard(local)), argnums=(0, 1)))(x, w)
+  for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * float(jnp.abs(e).max()))
+"""
+
+
+def test_shard_map_value_and_grad_matches_vmap_over_shards():
+  """Inside jax.shard_map, with one operand replicated (its gradient summed over the shards), under jit and
+  value_and_grad: the numbers of fp4_dot run on each shard (a vmap over the shards, itself equal to a loop:
+  test_vmap_over_examples_equals_a_loop)."""
+  _run_on_2_cpu_devices(_SHARD_MAP)
