@@ -52,11 +52,12 @@ class _Plan:
   impl: str | None
   x_dtype: np.dtype
   w_dtype: np.dtype
+  out_dtype: np.dtype
 
 
 def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | None = None,
-            impl: str | None = None) -> jax.Array:
-  """x @ w with each GEMM operand quantized per `route`; output in x's dtype.
+            impl: str | None = None, out_dtype=None) -> jax.Array:
+  """x @ w with each GEMM operand quantized per `route`; output in x's dtype (or `out_dtype`).
 
   Args:
     x: [..., K] activations (leading dims are flattened to M tokens).
@@ -64,8 +65,10 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     route: a `fp4jax.route.Route` or a preset name (`fp4jax.route.names()`).
     key: a JAX PRNG key (typed or raw); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
     impl: GEMM backend name (`fp4jax.kernels.BACKENDS`); None picks the fastest for the device.
+    out_dtype: the result's dtype (default x.dtype), written straight from the float32 accumulator, e.g.
+      float32 logits from bf16 inputs. Gradients keep x's and w's dtypes.
   Returns:
-    [..., N] in x.dtype.
+    [..., N] in out_dtype.
   """
   route = route_lib.get(route)
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -81,10 +84,12 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   m = math.prod(lead)
   _check_dims(route, m=m, k=k, n=n)
   if route.high_precision or 0 in (m, k, n):  # Empty operands: the product is zeros (or empty) in any route.
-    return jnp.dot(x, w).astype(x.dtype)
+    if out_dtype is None:
+      return jnp.dot(x, w).astype(x.dtype)
+    return jnp.dot(x, w, preferred_element_type=out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
-  plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype))
+  plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype))
   x, w = _vary_alike(x, w, key)
   y = _dot2d(plan, x.reshape(m, k), w, key)  # [M, N]
   return y.reshape(*lead, n)
@@ -211,7 +216,7 @@ def _fprop(plan: _Plan, x, w, key, fused_views=None):
   r = plan.route
   xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop", fused_views)  # [M, K]
   wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", "fprop")  # K-major [N, K]
-  return _gemm(xa, wb, plan.x_dtype, plan.impl), xa, wb  # [M, N]
+  return _gemm(xa, wb, plan.out_dtype, plan.impl), xa, wb  # [M, N]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -447,3 +447,20 @@ def test_shard_map_value_and_grad_matches_vmap_over_shards():
   value_and_grad: the numbers of fp4_dot run on each shard (a vmap over the shards, itself equal to a loop:
   test_vmap_over_examples_equals_a_loop)."""
   _run_on_2_cpu_devices(_SHARD_MAP)
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4", "nvfp4"])
+def test_out_dtype_float32_is_the_accumulator_and_keeps_grad_dtypes(route):
+  """out_dtype=float32 returns the unrounded float32 result (rounding it gives the default bf16 output);
+  gradients keep the bf16 dtypes of x and w."""
+  kx, kw, kk = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (64, 64), jnp.bfloat16)
+  w = jax.random.normal(kw, (64, 32), jnp.bfloat16)
+  y32 = fp4_dot(x, w, route=route, key=kk, out_dtype=jnp.float32)
+  y16 = fp4_dot(x, w, route=route, key=kk)
+  assert y32.dtype == jnp.float32 and y16.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y32.astype(jnp.bfloat16), np.float32), np.asarray(y16, np.float32))
+  assert not np.array_equal(np.asarray(y32), np.asarray(y16, np.float32))  # really float32, not widened bf16
+  loss = lambda x, w: jnp.sum(fp4_dot(x, w, route=route, key=kk, out_dtype=jnp.float32) ** 2)
+  dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16

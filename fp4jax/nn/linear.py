@@ -54,12 +54,14 @@ class FP4Linear(nnx.Module):
       param_dtype: Any = jnp.float32,
       kernel_init: Initializer = default_kernel_init,
       kernel_sharding: Sequence[str | None] = (None, None),
+      out_dtype: Any = None,
       rngs: nnx.Rngs,
   ):
     self.in_features = in_features
     self.out_features = out_features
     self.route = route_lib.get(route)
     self.dtype = dtype
+    self.out_dtype = out_dtype or dtype  # e.g. float32 logits from bf16 operands (the float32 accumulator)
     self.param_dtype = param_dtype
     init = sharded_init(kernel_init, kernel_sharding)
     self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))  # [in, out]
@@ -70,12 +72,13 @@ class FP4Linear(nnx.Module):
       self.bias = nnx.data(None)
 
   def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-    """x [..., in] -> [..., out] in `dtype`. `key`: the random key of this call (keyed routes only)."""
+    """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
     if x.shape[-1] != self.in_features:
       raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
-    y = fp4_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), route=self.route, key=key)
+    y = fp4_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), route=self.route, key=key,
+                out_dtype=self.out_dtype)
     if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
+      y = y + self.bias[...].astype(self.out_dtype)
     return y  # [..., out]
 
 

@@ -179,9 +179,11 @@ def test_tied_and_untied_embeddings():
   assert _param_count(tied) == tied_config.num_params()
 
 
-def test_tied_head_logits_are_float32_accumulated():
-  # The bf16 tied head multiplies bf16 operands but must not round the logits to bf16 before the softmax.
-  model = _model(dataclasses.replace(TINY, n_layers=1, tie_embeddings=True))
+@pytest.mark.parametrize("tied", [True, False])
+def test_head_logits_are_float32_accumulated(tied):
+  # The bf16 head (tied embedding or untied lm_head) multiplies bf16 operands but must not round the logits
+  # to bf16 before the softmax.
+  model = _model(dataclasses.replace(TINY, n_layers=1, tie_embeddings=tied))
   tokens = _tokens()
   logits = _forward(model, tokens)
 
@@ -192,7 +194,8 @@ def test_tied_head_logits_are_float32_accumulated():
     return model.norm(model.layers[0](x, positions))  # [B, T, D] bf16
 
   x = np.asarray(final_hidden(model, tokens), np.float64)
-  table = np.asarray(model.embed.embedding[...].astype(jnp.bfloat16), np.float64)  # [V, D]
+  head = model.embed.embedding[...] if tied else model.lm_head.kernel[...].T
+  table = np.asarray(head.astype(jnp.bfloat16), np.float64)  # [V, D]
   want = x @ table.T  # exact products of the bf16 operands
   # float32 accumulation: ~1e-6 relative; bf16-rounded logits would be off by up to 2^-9 of each.
   np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -45,7 +45,7 @@ class Llama(nnx.Module):
       self.lm_head = FP4Linear(
           config.dim, config.vocab_size, route=rules.resolve("lm_head"), dtype=dtype, param_dtype=param_dtype,
           kernel_init=nnx.initializers.normal(config.init_std),
-          kernel_sharding=fsdp_sharding((config.dim, config.vocab_size)), rngs=rngs)
+          kernel_sharding=fsdp_sharding((config.dim, config.vocab_size)), out_dtype=jnp.float32, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] float32. `key`: one random key per step (keyed routes)."""
