@@ -29,5 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1
   if jax.process_index() == 0:
     print(metrics.format_table(rows))
-    print(f"outputs: {os.path.abspath(cfg.run.out_dir)}", file=sys.stderr)
+    out = os.path.abspath(cfg.run.out_dir)
+    print(f"outputs: {out} (loss plot: {os.path.join(out, 'loss.png')}, table: {os.path.join(out, 'table.md')})",
+          file=sys.stderr)
   return 0
