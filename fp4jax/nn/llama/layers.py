@@ -33,13 +33,18 @@ def linear_index(path: str) -> int:
   lm_head -> 7 * n_layers (computed by the model).
   """
   _, layer, group, name = path.split(".")
+  return _block_linear_index(int(layer), group, name)
+
+
+def _block_linear_index(layer: int | jax.Array, group: str, name: str) -> int | jax.Array:
+  """`linear_index` of `layers.{layer}.{group}.{name}`; `layer` may be traced (a scan over blocks)."""
   names = ATTN_LINEARS if group == "attn" else MLP_LINEARS
   offset = 0 if group == "attn" else len(ATTN_LINEARS)
-  return LINEARS_PER_BLOCK * int(layer) + offset + names.index(name)
+  return LINEARS_PER_BLOCK * layer + offset + names.index(name)
 
 
-def _fold(key: jax.Array | None, index: int) -> jax.Array | None:
-  return None if key is None else jax.random.fold_in(key, index)
+def _fold(key: jax.Array | None, layer: int | jax.Array, group: str, name: str) -> jax.Array | None:
+  return None if key is None else jax.random.fold_in(key, _block_linear_index(layer, group, name))
 
 
 def fsdp_sharding(shape: tuple[int, ...]) -> tuple[str | None, ...]:
@@ -128,19 +133,20 @@ class Attention(nnx.Module):
     self.v = make("v", d, config.n_kv_heads * hd)
     self.o = make("o", config.n_heads * hd, d)
 
-  def _key(self, key: jax.Array | None, name: str) -> jax.Array | None:
-    return _fold(key, linear_index(f"layers.{self.layer}.attn.{name}"))
-
-  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
+               layer: int | jax.Array | None = None) -> jax.Array:
+    """`layer` overrides `self.layer` in the key indices (a traced int32 when blocks run under a scan)."""
+    layer = self.layer if layer is None else layer
+    keys = {name: _fold(key, layer, "attn", name) for name in ATTN_LINEARS}
     b, t, _ = x.shape  # [B, T, D]
-    q = self.q(x, key=self._key(key, "q")).reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
-    k = self.k(x, key=self._key(key, "k")).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
-    v = self.v(x, key=self._key(key, "v")).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    q = self.q(x, key=keys["q"]).reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
+    k = self.k(x, key=keys["k"]).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    v = self.v(x, key=keys["v"]).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
     freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # [Dh/2], constants
     q = apply_rope(q, positions, freqs)
     k = apply_rope(k, positions, freqs)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-    return self.o(out.reshape(b, t, self.n_heads * self.head_dim), key=self._key(key, "o"))  # [B, T, D]
+    return self.o(out.reshape(b, t, self.n_heads * self.head_dim), key=keys["o"])  # [B, T, D]
 
 
 class MLP(nnx.Module):
@@ -154,14 +160,14 @@ class MLP(nnx.Module):
     self.up = make("up", config.dim, config.ffn_dim)
     self.down = make("down", config.ffn_dim, config.dim)
 
-  def _key(self, key: jax.Array | None, name: str) -> jax.Array | None:
-    return _fold(key, linear_index(f"layers.{self.layer}.mlp.{name}"))
-
-  def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-    gate = self.gate(x, key=self._key(key, "gate")).astype(jnp.float32)  # [B, T, F]
-    up = self.up(x, key=self._key(key, "up")).astype(jnp.float32)  # [B, T, F]
+  def __call__(self, x: jax.Array, *, key: jax.Array | None = None,
+               layer: int | jax.Array | None = None) -> jax.Array:
+    """`layer` overrides `self.layer` in the key indices, as in `Attention`."""
+    layer = self.layer if layer is None else layer
+    gate = self.gate(x, key=_fold(key, layer, "mlp", "gate")).astype(jnp.float32)  # [B, T, F]
+    up = self.up(x, key=_fold(key, layer, "mlp", "up")).astype(jnp.float32)  # [B, T, F]
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    return self.down(h, key=self._key(key, "down"))  # [B, T, D]
+    return self.down(h, key=_fold(key, layer, "mlp", "down"))  # [B, T, D]
 
 
 class Block(nnx.Module):
@@ -174,6 +180,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.mlp = MLP(config, layer=layer, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x), positions, key=key)  # [B, T, D]
-    return x + self.mlp(self.mlp_norm(x), key=key)  # [B, T, D]
+  def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
+               layer: int | jax.Array | None = None) -> jax.Array:
+    """`layer`: the block index for the key indices if not this block's own (a traced int32 under a scan)."""
+    x = x + self.attn(self.attn_norm(x), positions, key=key, layer=layer)  # [B, T, D]
+    return x + self.mlp(self.mlp_norm(x), key=key, layer=layer)  # [B, T, D]

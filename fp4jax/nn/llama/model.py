@@ -1,8 +1,11 @@
 """The Llama model: embedding, a Python list of blocks, final RMSNorm, lm_head.
 
-Blocks are a plain `nnx.List` of modules, not an `nnx.scan` over stacked weights: each block owns its own
-FP4Linear modules with possibly different routes (first/last N blocks in bf16), which a scan over one
-stacked block could not express without per-layer route switches. The cost is compile time linear in depth.
+Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with its own FP4Linear routes
+(first/last N blocks in bf16). To keep compile time from growing with depth, `__call__` runs each run of
+consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the
+call (`scan_layers=True`): one copy of the group's weights per step, an unchanged parameter tree, and
+gradients flowing back to each block through the stack. `scan_layers=False` unrolls the Python loop; both
+give bit-identical numbers (the layer index reaches the per-linear keys as a traced scan input).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ class Llama(nnx.Module):
   Random keys: pass one key per step; block l's linears get fold_in(key, 7l + j) (see
   `layers.linear_index`), the lm_head fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
-  `nnx.get_partition_spec(nnx.state(model))`.
+  `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
+  `lax.scan` (compile time ~ number of distinct runs, not depth); False unrolls them, with the same bits.
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
-               param_dtype: Any = jnp.float32):
+               param_dtype: Any = jnp.float32, scan_layers: bool = True):
     self.config = config
+    self.scan_layers = scan_layers
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
@@ -54,8 +59,11 @@ class Llama(nnx.Module):
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     x = self.embed(tokens)  # [B, T, D]
-    for block in self.layers:
-      x = block(x, positions, key=key)
+    for group in self._block_groups():
+      # The barrier rounds x to its dtype at every group boundary as the scan carry does at every block
+      # (XLA's excess precision could otherwise keep it in float32 across an unrolled boundary): scanned
+      # and unrolled runs then give bit-identical numbers.
+      x = jax.lax.optimization_barrier(self._run_blocks(group, x, positions, key))
     x = self.norm(x)
     if self.lm_head is None:
       # embed.attend would round the logits to bf16 (~0.4% of each, before the softmax); accumulate and
@@ -68,7 +76,48 @@ class Llama(nnx.Module):
       logits = self.lm_head(x, key=head_key)  # [B, T, V]
     return logits.astype(jnp.float32)
 
+  def _block_groups(self) -> list[range]:
+    """Runs of consecutive layer indices whose blocks can share one compiled body (same routes and state
+    structure); every block alone when `scan_layers` is off."""
+    if not self.scan_layers:
+      return [range(i, i + 1) for i in range(len(self.layers))]
+    groups: list[range] = []
+    previous = None
+    for i, block in enumerate(self.layers):
+      signature = _block_signature(block)
+      if groups and signature == previous:
+        groups[-1] = range(groups[-1].start, i + 1)
+      else:
+        groups.append(range(i, i + 1))
+      previous = signature
+    return groups
+
+  def _run_blocks(self, group: range, x: jax.Array, positions: jax.Array, key: jax.Array | None) -> jax.Array:
+    """x [B, T, D] through blocks `group`: a direct call for one block, else a scan over stacked params."""
+    if len(group) == 1:
+      return self.layers[group.start](x, positions, key=key)
+    graphdef = nnx.graphdef(self.layers[group.start])  # Its own `layer` is overridden by the scan input.
+    states = [nnx.state(self.layers[i]) for i in group]
+    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)  # Each leaf [L, ...]
+    layer_ids = jnp.arange(group.start, group.stop, dtype=jnp.int32)  # [L]
+
+    def body(h, inputs):
+      state, layer = inputs
+      return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer), None
+
+    x, _ = jax.lax.scan(body, x, (stacked, layer_ids))
+    return x
+
   def routes(self) -> dict[str, str]:
     """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4."""
     return {".".join(map(str, path)): module.route.name
             for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
+
+
+def _block_signature(block: Block) -> tuple[Any, ...]:
+  """What must match for blocks to run as one scan body: the route of each FP4Linear (by path within the
+  block) and the state's tree structure, shapes and dtypes. The static `layer` index may differ."""
+  routes = tuple((path, module.route) for path, module in nnx.iter_graph(block)
+                 if isinstance(module, FP4Linear))
+  leaves, treedef = jax.tree.flatten(nnx.state(block))
+  return routes, treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
