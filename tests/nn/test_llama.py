@@ -76,10 +76,8 @@ def test_causal(route, bf16_model):
   assert float(jnp.max(jnp.abs(a[:, 20:] - b[:, 20:]))) > 1e-3
 
 
-def test_forward_backward_fp4_with_keys():
-  # One deep linear on a keyed route (a single FP4 linear keeps the compile short).
-  model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))
-  tokens = _tokens(t=T + 1)  # T inputs and T targets: M = B * T tokens, a multiple of the FP4 block.
+def _next_token_grads(tokens):
+  """A jitted (model, key) -> (next-token loss, grads) over tokens [B, T + 1]."""
 
   @nnx.jit
   def grads(model, key):
@@ -87,6 +85,16 @@ def test_forward_backward_fp4_with_keys():
       logits = model(tokens[:, :-1], key=key)
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
     return nnx.value_and_grad(loss)(model)
+
+  return grads
+
+
+def test_forward_backward_fp4_with_keys():
+  # One deep linear on a keyed route (a single FP4 linear keeps the compile short).
+  model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))
+  tokens = _tokens(t=T + 1)  # T inputs and T targets: M = B * T tokens, a multiple of the FP4 block.
+
+  grads = _next_token_grads(tokens)
 
   value, g1 = grads(model, jax.random.key(1))
   _, g1_again = grads(model, jax.random.key(1))
@@ -242,12 +250,7 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
   rules = RouteRules.standard(route, n_layers=4, bf16_first=1, bf16_last=1)
   tokens = _tokens(t=T + 1)
 
-  @nnx.jit
-  def grads(model, key):
-    def loss(model):
-      logits = model(tokens[:, :-1], key=key)
-      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
-    return nnx.value_and_grad(loss)(model)
+  grads = _next_token_grads(tokens)
 
   results = {}
   for scan in (False, True):
