@@ -36,7 +36,7 @@ from fp4jax import kernels
 from fp4jax import route as route_lib
 from fp4jax.formats import FORMATS
 from fp4jax.hadamard import hadamard
-from fp4jax.kernels import quantize_fused
+from fp4jax.kernels import gemm_emulated, quantize_fused
 from fp4jax.qtensor import QTensor, pack_codes
 from fp4jax.reference import dequantize, quantize
 from fp4jax.route import OperandSpec, Route
@@ -206,8 +206,7 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: str | None) -> jax.Array:
   if not isinstance(a, QTensor) and not isinstance(b, QTensor):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
   # One quantized, one high-precision operand: exact float32 product of the dequantized values.
-  av, bv = (jnp.moveaxis(dequantize(o), o.axis, -1) if isinstance(o, QTensor) else o.astype(jnp.float32)
-            for o in (a, b))
+  av, bv = (gemm_emulated.kmajor_f32(o) if isinstance(o, QTensor) else o.astype(jnp.float32) for o in (a, b))
   return jax.lax.dot_general(av, bv, dims, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32).astype(out_dtype)
 

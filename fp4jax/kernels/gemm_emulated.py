@@ -12,7 +12,7 @@ from fp4jax.qtensor import QTensor
 from fp4jax.reference import dequantize
 
 
-def _kmajor_f32(q: QTensor) -> jax.Array:
+def kmajor_f32(q: QTensor) -> jax.Array:
   """float32 values of `q` in its K-major layout (the quantized axis last), as a 2-D array."""
   v = jnp.moveaxis(dequantize(q, jnp.float32), q.axis, -1)
   return v.reshape(-1, v.shape[-1])
@@ -27,7 +27,7 @@ def gemm(a: QTensor, b: QTensor, *, out_dtype=jnp.float32) -> jax.Array:
   """dequant(a) @ dequant(b).T for K-major a [M, K], b [N, K]; float32 accumulation, cast to `out_dtype`."""
   if not supports(a, b):
     raise ValueError(f"emulated gemm needs 2-D operands with one K: {a.kmajor_shape=}, {b.kmajor_shape=}")
-  av, bv = _kmajor_f32(a), _kmajor_f32(b)  # [M, K], [N, K]
+  av, bv = kmajor_f32(a), kmajor_f32(b)  # [M, K], [N, K]
   out = jax.lax.dot_general(av, bv, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)  # [M, N]
   return out.astype(out_dtype)
