@@ -9,7 +9,9 @@ Kinds:
     H32 applies d16 to each half, i.e. d = [d16, d16] with H_32 (= H16 on each half, then a cross add/subtract).
   "rht16", "rht32", "rht128": random signs from `key` (`fp4jax.prng`, stream STREAM_HADAMARD_SIGNS, counter = the
     position in the block; negative iff the top bit of the hash is set), one vector shared by all blocks.
-The +-1 matrix is applied in float32 (HIGHEST precision), the 1/sqrt(n) scale afterwards, in float32.
+The +-1 matrix is applied in float32 as a fast Walsh-Hadamard butterfly in a fixed order (`fwht`), the
+1/sqrt(n) scale afterwards, in float32: every operation is an IEEE float32 add, subtract or multiply in a
+pinned order, so any device (and the fused quantizer kernels, which run the same butterfly) gets the same bits.
 """
 
 from __future__ import annotations
@@ -82,6 +84,22 @@ def hadamard_matrix(kind: str, key: jax.Array | None = None, *, normalized: bool
   return m * jnp.float32(1 / math.sqrt(signs.shape[0])) if normalized else m
 
 
+def fwht(a: jax.Array) -> jax.Array:
+  """H_n a along the last axis (n = a.shape[-1], a power of two; Sylvester order), as log2(n) butterflies.
+
+  Stage s = 1, 2, 4, ..., n/2 replaces each pair (a[i], a[i + s]) with i & s == 0 by (a[i] + a[i + s],
+  a[i] - a[i + s]), in float32. This order is part of the contract: kernels reproduce it bit for bit.
+  """
+  n = a.shape[-1]
+  s = 1
+  while s < n:
+    pairs = a.reshape(*a.shape[:-1], n // (2 * s), 2, s)
+    lo, hi = pairs[..., 0, :], pairs[..., 1, :]
+    a = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(*a.shape[:-1], n)
+    s *= 2
+  return a
+
+
 @functools.partial(jax.jit, static_argnames=("kind", "axis", "inverse"))
 def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None = None,
              inverse: bool = False) -> jax.Array:
@@ -92,10 +110,8 @@ def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None =
     raise ValueError(f"Hadamard {kind=}: axis length {length} (x.shape={x.shape}, {axis=}) must be a multiple "
                      f"of {n}")
   signs = hadamard_signs(kind, key)  # [n]
-  h = jnp.asarray(sylvester(n))  # [n, n], symmetric
   xk = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
   xb = xk.reshape(*xk.shape[:-1], length // n, n)  # [..., blocks, n]
-  dot = lambda a: jnp.einsum("...j,ij->...i", a, h, precision=jax.lax.Precision.HIGHEST)
   scale = jnp.float32(1 / math.sqrt(n))
-  yb = dot(xb) * scale * signs if inverse else dot(xb * signs) * scale
+  yb = fwht(xb) * scale * signs if inverse else fwht(xb * signs) * scale
   return jnp.moveaxis(yb.reshape(xk.shape), -1, axis)

@@ -7,7 +7,7 @@ import numpy_ref  # tests/numpy_ref.py
 import pytest
 
 from fp4jax import prng
-from fp4jax.hadamard import D16, KINDS, hadamard, hadamard_matrix, hadamard_signs
+from fp4jax.hadamard import D16, KINDS, fwht, hadamard, hadamard_matrix, hadamard_signs
 
 KEY = jax.random.key(11)
 
@@ -80,3 +80,22 @@ def test_gemm_invariance():
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def _fwht_recursive(a: np.ndarray) -> np.ndarray:
+  """H_n a along the last axis in float32 by the recursion H_2n [u; v] = [H_n u + H_n v; H_n u - H_n v]."""
+  n = a.shape[-1]
+  if n == 1:
+    return a
+  u, v = _fwht_recursive(a[..., : n // 2]), _fwht_recursive(a[..., n // 2:])
+  return np.concatenate([u + v, u - v], axis=-1)
+
+
+@pytest.mark.parametrize("n", [2, 16, 32, 128])
+def test_fwht_order_is_pinned(n):
+  # Bit for bit: the fused kernels rely on this exact float32 operation order.
+  x = np.random.default_rng(n).standard_normal((5, n)).astype(np.float32) * np.float32(2.0) ** \
+      np.random.default_rng(n + 1).integers(-20, 20, (5, n)).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(fwht(jnp.asarray(x))), _fwht_recursive(x))
+  np.testing.assert_allclose(np.asarray(fwht(jnp.asarray(x)), np.float64), x.astype(np.float64) @ _sylvester(n).T,
+                             rtol=1e-5, atol=1e-5 * np.abs(x).max())
