@@ -5,9 +5,14 @@ One Pallas program per [block_m, block_k] tile of x. It loads the tile once and 
   * the column view, already transposed to K-major: codes [K, M/2] + scales [K, M/32]
     (`reference.quantize(x, axis=0)`), the layout the wgrad GEMM reads,
 bit for bit equal to `fp4jax.reference.quantize`: RNE or SR (bits from `fp4jax.prng` keyed by the element's
-row-major flat index in x, so both views see the same bits), scale rule "ocp" or "noclip", optional
-`clip_fraction`, and 1x32 blocks or 32x32 tiles (`tile_2d`: one scale per tile, so the two views hold the same
-codes, computed once). `quantize_dual(..., fp8=True)` adds the Hopper FP8 GEMM operands (`quantize_fp8`).
+row-major flat index in x), scale rule "ocp" or "noclip", optional `clip_fraction`, and 1x32 blocks or 32x32
+tiles (`tile_2d`: one scale per tile, so the two views hold the same codes, computed once).
+`quantize_dual(..., fp8=True)` adds the Hopper FP8 GEMM operands (`quantize_fp8`).
+
+Each view has its own `ViewSpec` (`quantize_views`): rounding, scale rule, clip fraction, SR key, and for the
+column view a fixed-sign Hadamard transform along M ("h16", "h32": `fp4jax.hadamard`, the same float32
+butterfly), so one pass serves a GEMM pair with different recipes: dY's dgrad view (SR) and wgrad view (RNE,
+Hadamard), or X's fprop view and its Hadamard-transformed wgrad view.
 
 The input is read as uint32 words, each two bf16 neighbours along K (a free bitcast of x), split by row parity:
 the low and high halves of a word are the two nibbles of a row-view byte, the same half of two consecutive rows
@@ -18,9 +23,16 @@ integer and bit arithmetic with few operations per element (no float4 casts, no 
   * block amax as the max of |x|'s float32 bit patterns (monotone for non-negative floats; NaN/Inf patterns
     sort above every finite one, which flags non-finite blocks without relying on float max NaN semantics);
   * E from amax's exponent bits, the block multiplier 2^-E built from exponent bits;
-  * E2M1 codes from the float32 bits of |x| * 2^-E (`_encode_rne`, `_encode_sr`), equal to the reference's
+  * E2M1 codes from the float32 bits of |x| * 2^-E (`encode_rne`, `encode_sr`), equal to the reference's
     midpoint comparisons and its u < (|v| - lo) / (hi - lo) test.
 bf16 inputs only (`supported`); other dtypes fall back to the reference.
+
+With a column transform the column view reads the tile once more, as 32 row slices [bm/32, bk/2] (row
+32a + 2t + p of the tile in slice (t, p); a second read of the same tile, mostly from cache), so the Hadamard
+butterfly along M and the column blocks' amax are elementwise across slices; the column view's bytes for row
+pair t are stored at stride 16. Bit-exact on an H200, but slow to compile there: ~50 s per instance when the
+row view was also built from the 32 slices, and no faster in the one run since the row view moved back to the
+two-load layout (fp4_dot therefore uses it on GPUs only when opted in).
 
 Backend: Pallas on GPU through the Triton lowering (`pallas_call`'s default on CUDA in JAX 0.11.2, chosen
 explicitly with `CompilerParams`). The kernel needs per-block reductions along the minor axis ([h, w] ->
@@ -34,13 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import prng
+from fp4jax import hadamard, prng
 from fp4jax.formats import get_format
 from fp4jax.kernels import quantize_fp8
 from fp4jax.kernels.tiling import QuantTile, default_tile
@@ -61,16 +74,52 @@ _E8M0_NAN = 255
 _E_MIN, _E_MAX = -127, 127
 
 
+# Hadamard transforms the column view can apply along M (fixed signs; random-sign kinds are not covered).
+TRANSFORMS = ("h16", "h32")
+
+
 @dataclasses.dataclass(frozen=True)
-class DualConfig:
-  """Static options of one fused quantizer launch (hashable: crosses jit as one object)."""
+class ViewSpec:
+  """How one view is quantized (`reference.quantize` options of that view).
+
+  transform: None, or a fixed-sign Hadamard of `TRANSFORMS` applied along the view's axis before quantizing
+  (column view only), as `quantize(hadamard(x, transform, axis=0), axis=0)`.
+  """
 
   rounding: str = "rne"
   scale_rule: str = "ocp"
-  tile_2d: bool = False
   clip_fraction: float | None = None
+  transform: str | None = None
+
+  @classmethod
+  def make(cls, rounding: str = "rne", scale_rule: str | None = None, clip_fraction: float | None = None,
+           transform: str | None = None, tile_2d: bool = False) -> "ViewSpec":
+    """A ViewSpec with `reference.quantize`'s default scale rule for (rounding, tile_2d) when none is given."""
+    return cls(rounding, scale_rule or DEFAULT_SCALE_RULE.get((rounding, tile_2d), "ocp"), clip_fraction,
+               transform)
+
+  def valid(self) -> bool:
+    return (self.rounding in ROUNDINGS and self.scale_rule in SCALE_RULES and self.transform in (None, *TRANSFORMS)
+            and (self.clip_fraction is None or 0 < self.clip_fraction <= 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DualConfig:
+  """Static options of one fused quantizer launch (hashable: crosses jit as one object).
+
+  shared_bits: both views use SR with the same key, so each element's random bits are drawn once.
+  """
+
+  row: ViewSpec = ViewSpec()
+  col: ViewSpec = ViewSpec()
+  tile_2d: bool = False
+  shared_bits: bool = False
   tile: QuantTile = QuantTile()
   interpret: bool = False
+
+  @property
+  def needs_seeds(self) -> bool:
+    return "sr" in (self.row.rounding, self.col.rounding)
 
 
 def supported(fmt: str, rounding: str = "rne", *, shape: tuple[int, ...] | None = None, dtype=None,
@@ -82,25 +131,40 @@ def supported(fmt: str, rounding: str = "rne", *, shape: tuple[int, ...] | None 
   32x32 tiles (`tile_2d`), a bf16 x [M, K] with M and K multiples of 32
   (`tiling.default_tile`), no other reference options.
   """
-  if get_format(fmt).name != "mxfp4" or rounding not in ROUNDINGS or options:
+  if options or rounding not in ROUNDINGS:
     return False
-  if clip_fraction is not None and not 0 < clip_fraction <= 1:
+  view = ViewSpec.make(rounding, scale_rule, clip_fraction, tile_2d=tile_2d)
+  return supported_views(fmt, view, view, shape=shape, dtype=dtype, tile_2d=tile_2d)
+
+
+def supported_views(fmt: str, row: ViewSpec, col: ViewSpec, *, shape: tuple[int, ...] | None = None,
+                    dtype=None, tile_2d: bool = False) -> bool:
+  """Whether `quantize_views` covers (row, col) on a `dtype` x of `shape` (None: not checked).
+
+  Besides `supported`'s rules: a transform on the column view only, and 2-D tiles only with identical views.
+  """
+  if get_format(fmt).name != "mxfp4" or not (row.valid() and col.valid()) or row.transform is not None:
+    return False
+  if tile_2d and (row != col or col.transform is not None):
     return False
   if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
-    return False
-  if scale_rule is not None and scale_rule not in SCALE_RULES:
     return False
   if shape is not None:
     if len(shape) != 2:
       return False
     try:
-      default_tile(*shape, rounding=rounding)
+      _default_tile(shape, row, col)
     except ValueError:
       return False
   return True
 
 
-def _block_exponent(amax_bits: jax.Array, cfg: DualConfig) -> jax.Array:
+def _default_tile(shape: tuple[int, int], row: ViewSpec, col: ViewSpec) -> QuantTile:
+  kind = "transform" if col.transform else ("sr" if "sr" in (row.rounding, col.rounding) else "rne")
+  return default_tile(*shape, rounding=kind)
+
+
+def _block_exponent(amax_bits: jax.Array, cfg: ViewSpec) -> jax.Array:
   """int32 E of each block from the float32 bits of its amax (clamped to E8M0's [-127, 127])."""
   e = (amax_bits >> 23) - (_E8M0_BIAS + 2)  # floor(log2 amax) - 2: OCP's rule, amax / 2^e = 4 * 1.mant
   if cfg.scale_rule == "noclip":  # ceil(log2(amax / 6)): one up when the mantissa exceeds 1.5's
@@ -118,7 +182,7 @@ def _pow2_neg(e: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type((_E8M0_BIAS - e) << 23, jnp.float32)
 
 
-def _encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
+def encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
   """int32 E2M1 magnitude codes of float32 magnitudes in [0, 8), round-to-nearest-even, saturating at 6.
 
   [1, 8): E2M1 is a float with one mantissa bit, so RNE on the float32 bits (add half an ulp of the kept bit,
@@ -132,7 +196,7 @@ def _encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
   return jnp.where(mag < 1.0, small, big)
 
 
-def _encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
+def encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
   """int32 E2M1 magnitude codes by stochastic rounding: up from lo iff u < (mag - lo) / (hi - lo).
 
   u = r24 * 2^-24 (`prng.uniform_from_bits`). On [1, 8) the fraction is the 22 mantissa bits below the kept
@@ -148,25 +212,25 @@ def _encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
   return jnp.where(mag < 1.0, small, jnp.minimum(big, 7))
 
 
-_ENCODERS = {"rne": _encode_rne, "sr": _encode_sr}
+ENCODERS = {"rne": encode_rne, "sr": encode_sr}
 
 
-def _block_scale(amax: jax.Array, cfg: DualConfig):
+def _block_scale(amax: jax.Array, cfg: ViewSpec):
   """(finite, multiplier 2^-E, E8M0 scale byte) of blocks with int32 amax bits `amax` (NaN/Inf -> 0xFF)."""
   finite = amax < _F32_INF
   e = _block_exponent(amax, cfg)
   return finite, _pow2_neg(e), jnp.where(finite, e + _E8M0_BIAS, _E8M0_NAN)
 
 
-def _codes(a, sign, r24, mul, blocks: tuple[int, ...], cfg: DualConfig) -> jax.Array:
+def _codes(a, sign, r24, mul, blocks: tuple[int, ...], cfg: ViewSpec) -> jax.Array:
   """int32 E2M1 codes (sign in bit 3) of elements with |x| bits `a` [h, w] under block multipliers `mul`."""
   mag = jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * mul  # exact: a power of two
-  encode = _ENCODERS[cfg.rounding]
+  encode = ENCODERS[cfg.rounding]
   return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
 
 
 def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
-          cfg: DualConfig):
+          cfg: ViewSpec):
   """Packed codes [h, w] and scale bytes of one view of two element sets sharing their blocks.
 
   abs_*: int32 |x| float32 bits [h, w] of the elements for the low and high nibbles (neighbours along the
@@ -180,7 +244,7 @@ def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, i
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
 
 
-def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: DualConfig):
+def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: ViewSpec):
   """Both views under one scale per 32x32 tile: the codes are computed once and packed both ways.
 
   Returns (row codes per row parity [h, w], row scales [h, w/16], column codes per column parity [w, h],
@@ -199,36 +263,58 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: DualConfig):
   return row_codes, row_scales, col_codes, col_scales
 
 
+def random_bits(seed_ref, which: int, index) -> dict:
+  """int32 top 24 hash bits (`prng.hash_bits(...) >> 8`) of each element set of `index` (its position in x),
+  with seed pair `which` (0: row view, 1: column view)."""
+  out = {}
+  for key_ in index.keys:
+    rows, cols = index(key_)
+    r = prng.hash_bits(seed_ref[2 * which], seed_ref[2 * which + 1], rows * jnp.uint32(index.k) + cols) >> 8
+    out[key_] = jax.lax.bitcast_convert_type(r, jnp.int32)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PairIndex:
+  """Positions in x of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
+
+  keys: tuple
+  h: int
+  w: int
+  k: int
+
+  def __call__(self, pq) -> tuple[jax.Array, jax.Array]:
+    p, q = pq
+    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + \
+        (pl.program_id(0) * 2 * self.h + p).astype(jnp.uint32)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + \
+        (pl.program_id(1) * 2 * self.w + q).astype(jnp.uint32)
+    return rows, cols
+
+
 def _dual_kernel(*refs, cfg: DualConfig, k: int):
   """One tile of x as bf16 pairs -> both views.
 
   x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along
   K (the even one in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
   reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
-  column scales [bk/2, 2, bm/32].
+  column scales [bk/2, 2, bm/32]. With a column transform, x is also read as row slices (`xs_ref`) and the
+  column view takes `_transform_columns`' layout.
   """
-  if cfg.rounding == "sr":
-    seed_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
-  else:
-    x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
+  refs = list(refs)
+  seed_ref = refs.pop(0) if cfg.needs_seeds else None
+  xs_ref = refs.pop(1) if cfg.col.transform else None
+  x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   # x[2i + p, 2j + q] as float32 bits: p = row parity (which load), q = column parity (which half).
   words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
   bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
   mag = {pq: b & _F32_ABS for pq, b in bits.items()}
   sign = {pq: (b >> 28) & 8 for pq, b in bits.items()}
-  r24 = dict.fromkeys(bits)
-  if cfg.rounding == "sr":
-    k0, k1 = seed_ref[0], seed_ref[1]
-    rows = jax.lax.broadcasted_iota(jnp.uint32, (h, w), 0) * 2 + (pl.program_id(0) * 2 * h).astype(jnp.uint32)
-    cols = jax.lax.broadcasted_iota(jnp.uint32, (h, w), 1) * 2 + (pl.program_id(1) * 2 * w).astype(jnp.uint32)
-    base = rows * jnp.uint32(k) + cols  # flat index of x[2i, 2j]
-    for p, q in bits:
-      r = prng.hash_bits(k0, k1, base + jnp.uint32(p * k + q)) >> 8
-      r24[(p, q)] = jax.lax.bitcast_convert_type(r, jnp.int32)
-
+  index = PairIndex(tuple(bits), h, w, k)
+  row_r24 = random_bits(seed_ref, 0, index) if cfg.row.rounding == "sr" else dict.fromkeys(bits)
   if cfg.tile_2d:
-    row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, r24, h, w, cfg)
+    row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, row_r24, h, w, cfg.row)
     for p in range(2):
       rc_ref[:, p, :] = row_codes[p]
       rs_ref[:, p, :] = row_scales
@@ -237,47 +323,119 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
     return
   # Row view (blocks of 32 along K = 16 column pairs): row parity p packs columns (2j, 2j + 1).
   for p in range(2):
-    codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
-                          (h, w // 16, 16), 2, cfg)
+    codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], row_r24[p, 0], row_r24[p, 1],
+                          (h, w // 16, 16), 2, cfg.row)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/16]
+  if cfg.col.transform:
+    _transform_columns(seed_ref, xs_ref, cc_ref, cs_ref, cfg, k)
+    return
+  col_r24 = dict.fromkeys(bits)
+  if cfg.col.rounding == "sr":
+    col_r24 = row_r24 if cfg.shared_bits else random_bits(seed_ref, 1, index)
   # Column view (blocks of 32 along M = 16 row pairs): column parity q packs rows (2i, 2i + 1), transposed.
   for q in range(2):
-    codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
-                          (h // 16, 16, w), 1, cfg)
+    codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], col_r24[0, q], col_r24[1, q],
+                          (h // 16, 16, w), 1, cfg.col)
     cc_ref[:, q, :] = codes.T  # [w, h]
     cs_ref[:, q, :] = scales.T  # [w, h / 16]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SliceIndex:
+  """Positions in x of the tile's element sets x[32a + 2t + p, 2j + q], (t, p, q) in `keys`, uint32 [g, w]."""
+
+  keys: tuple
+  g: int
+  w: int
+  k: int
+
+  def __call__(self, tpq) -> tuple[jax.Array, jax.Array]:
+    t, p, q = tpq
+    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.g, self.w), 0) * 32 + \
+        (pl.program_id(0) * 32 * self.g + 2 * t + p).astype(jnp.uint32)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.g, self.w), 1) * 2 + \
+        (pl.program_id(1) * 2 * self.w + q).astype(jnp.uint32)
+    return rows, cols
+
+
+def _hadamard_rows(vals: list[jax.Array], transform: str) -> list[jax.Array]:
+  """`fp4jax.hadamard.hadamard(., transform, axis=0)` of 32 consecutive rows given as 32 float32 arrays.
+
+  The same float32 operations in the same order: signs (exact negations), the `hadamard.fwht` butterfly
+  within each block of n rows, then the 1/sqrt(n) scale.
+  """
+  n = hadamard.KINDS[transform].n
+  vals = [-v if hadamard.D16[r % 16] < 0 else v for r, v in enumerate(vals)]
+  s = 1
+  while s < n:
+    for r in range(len(vals)):
+      if not r & s:
+        vals[r], vals[r + s] = vals[r] + vals[r + s], vals[r] - vals[r + s]
+    s *= 2
+  scale = jnp.float32(1 / math.sqrt(n))
+  return [v * scale for v in vals]
+
+
+def _transform_columns(seed_ref, xs_ref, cc_ref, cs_ref, cfg: DualConfig, k: int) -> None:
+  """The Hadamard-transformed column view of one tile read as 32 row slices.
+
+  xs_ref: uint32 [bm/32, 16, 2, bk/2] (row block a, row pair t, row parity p, column pair j): row 32a + 2t + p.
+  Outputs: column codes [bk/2, 2, bm/32, 16] (column pair j, column parity q, row block a, row pair t) and
+  column scales [bk/2, 2, bm/32], free reshapes of the QTensor layouts.
+  """
+  g, _, _, w = xs_ref.shape
+  bits = {}
+  for t in range(16):
+    for p in range(2):
+      word = jax.lax.bitcast_convert_type(xs_ref[:, t, p, :], jnp.int32)  # [g, w]
+      bits[t, p, 0], bits[t, p, 1] = word << 16, word & -65536
+  r24 = dict.fromkeys(bits)
+  if cfg.col.rounding == "sr":
+    r24 = random_bits(seed_ref, 0 if cfg.shared_bits else 1, _SliceIndex(tuple(bits), g, w, k))
+  encode = ENCODERS[cfg.col.rounding]
+  for q in range(2):
+    vals = [jax.lax.bitcast_convert_type(bits[r // 2, r % 2, q], jnp.float32) for r in range(32)]
+    ybits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in _hadamard_rows(vals, cfg.col.transform)]
+    ymag = [b & _F32_ABS for b in ybits]
+    finite, mul, scale = _block_scale(functools.reduce(jnp.maximum, ymag), cfg.col)  # [g, w] each
+    codes = [encode(jax.lax.bitcast_convert_type(ymag[r], jnp.float32) * mul, r24[r // 2, r % 2, q]) |
+             ((ybits[r] >> 28) & 8) for r in range(32)]
+    for t in range(16):
+      packed = jnp.where(finite, codes[2 * t] | (codes[2 * t + 1] << 4), 0).astype(jnp.uint8)
+      cc_ref[:, q, :, t] = packed.T  # [w, g]
+    cs_ref[:, q, :] = scale.astype(jnp.uint8).T  # [w, g]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
   m, k = x.shape
   t = cfg.tile
-  h, w = t.block_m // 2, t.block_k // 2
+  h, w, g = t.block_m // 2, t.block_k // 2, t.block_m // 32
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  out_shape = (
-      jax.ShapeDtypeStruct((m // 2, 2, k // 2), jnp.uint8),
-      jax.ShapeDtypeStruct((m // 2, 2, k // 32), jnp.uint8),
-      jax.ShapeDtypeStruct((k // 2, 2, m // 2), jnp.uint8),
-      jax.ShapeDtypeStruct((k // 2, 2, m // 32), jnp.uint8),
-  )
-  out_specs = (
-      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
-      pl.BlockSpec((h, 2, w // 16), lambda i, j: (i, 0, j)),
-      pl.BlockSpec((w, 2, h), lambda i, j: (j, 0, i)),
-      pl.BlockSpec((w, 2, h // 16), lambda i, j: (j, 0, i)),
-  )
   in_specs = [pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j))]
   args = [xw]
-  if cfg.rounding == "sr":
-    in_specs.insert(0, pl.BlockSpec((2,), lambda i, j: (0,)))
+  # (output shape, block, index map): row codes, row scales, column codes, column scales. Every output is a
+  # free reshape of its QTensor array.
+  outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
+          ((m // 2, 2, k // 32), (h, 2, w // 16), lambda i, j: (i, 0, j))]
+  if cfg.col.transform:  # x once more as row slices [M/32, 16, 2, K/2] (row 32a + 2t + p), free
+    in_specs.append(pl.BlockSpec((g, 16, 2, w), lambda i, j: (i, 0, 0, j)))
+    args.append(xw.reshape(m // 32, 16, 2, k // 2))
+    outs += [((k // 2, 2, m // 32, 16), (w, 2, g, 16), lambda i, j: (j, 0, i, 0)),
+             ((k // 2, 2, m // 32), (w, 2, g), lambda i, j: (j, 0, i))]
+  else:
+    outs += [((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
+             ((k // 2, 2, m // 32), (w, 2, h // 16), lambda i, j: (j, 0, i))]
+  if cfg.needs_seeds:
+    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
     args.insert(0, seeds)
   rc, rs, cc, cs = pl.pallas_call(
       functools.partial(_dual_kernel, cfg=cfg, k=k),
-      out_shape=out_shape,
+      out_shape=tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
       grid=(m // t.block_m, k // t.block_k),
       in_specs=in_specs,
-      out_specs=out_specs,
+      out_specs=tuple(pl.BlockSpec(block, index) for _, block, index in outs),
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=cfg.interpret,
       name=KERNEL_NAME,
@@ -285,10 +443,48 @@ def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
   return rc.reshape(m, k // 2), rs.reshape(m, k // 32), cc.reshape(k, m // 2), cs.reshape(k, m // 32)
 
 
+def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]:
+  if key is None:
+    raise ValueError(f"rounding='sr' in the {view} view needs a key")
+  return prng.seed_words(key, prng.STREAM_ELEMENT_SR)
+
+
+def quantize_views(x: jax.Array, row: ViewSpec, col: ViewSpec, *, row_key: jax.Array | None = None,
+                   col_key: jax.Array | None = None, tile_2d: bool = False, tile: QuantTile | None = None,
+                   interpret: bool = False) -> tuple[QTensor, QTensor]:
+  """Both MXFP4 views of a bf16 x[M, K] from one fused pass, each with its own recipe.
+
+  Equal bit for bit to `(reference.quantize(x, "mxfp4", axis=-1, rounding=row.rounding, key=row_key,
+  scale_rule=row.scale_rule, clip_fraction=row.clip_fraction), reference.quantize(hadamard(x, col.transform,
+  axis=0) if col.transform else x, "mxfp4", axis=0, ...col's options, key=col_key))`; with `tile_2d`, both
+  views share one scale per 32x32 tile (row == col required). `supported_views` says what is covered.
+  Passing the same key object as row_key and col_key draws each element's random bits once for both views.
+  """
+  if not supported_views("mxfp4", row, col, dtype=x.dtype, tile_2d=tile_2d):
+    raise ValueError(f"quantize_views does not cover {row=}, {col=}, {tile_2d=}, {x.dtype=}; check "
+                     f"`supported_views(...)` and fall back to reference.quantize")
+  if x.ndim != 2:
+    raise ValueError(f"quantize_views takes a 2-D x, got {x.shape=}")
+  m, k = x.shape
+  tile = tile or _default_tile((m, k), row, col)
+  tile.check(m, k, 32)
+  cfg = DualConfig(row, col, tile_2d=tile_2d, shared_bits=row_key is not None and row_key is col_key,
+                   tile=tile, interpret=interpret)
+  seeds = None
+  if cfg.needs_seeds:
+    zero = (jnp.uint32(0), jnp.uint32(0))
+    words = [_seed_words(kk, view) if v.rounding == "sr" else zero
+             for kk, v, view in ((row_key, row, "row"), (col_key, col, "column"))]
+    seeds = jnp.stack([*words[0], *words[1]])
+  rc, rs, cc, cs = _dual_call(x, seeds, cfg)
+  return (QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k)),
+          QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k)))
+
+
 def quantize_dual(x: jax.Array, fmt: str = "mxfp4", *, rounding: str = "rne", key: jax.Array | None = None,
                   scale_rule: str | None = None, tile_2d: bool = False, clip_fraction: float | None = None,
                   fp8: bool = False, tile: QuantTile | None = None, interpret: bool = False):
-  """Both MXFP4 views of x[M, K] from one fused pass: (row view along K, column view along M).
+  """Both MXFP4 views of x[M, K] from one fused pass with ONE recipe: (row view along K, column view along M).
 
   Equal bit for bit to `(reference.quantize(x, fmt, axis=-1, ...), reference.quantize(x, fmt, axis=0, ...))`
   with the same rounding, key, scale rule, tile_2d and clip_fraction (with tile_2d, one scale per 32x32 tile:
@@ -305,22 +501,11 @@ def quantize_dual(x: jax.Array, fmt: str = "mxfp4", *, rounding: str = "rne", ke
     raise ValueError(f"quantize_dual does not cover {fmt=}, {rounding=}, {scale_rule=}, {tile_2d=}, "
                      f"{clip_fraction=}, {x.dtype=}; "
                      f"check `supported(...)` and fall back to reference.quantize")
-  if x.ndim != 2:
-    raise ValueError(f"quantize_dual takes a 2-D x, got {x.shape=}")
-  m, k = x.shape
-  block = get_format(fmt).block
-  tile = tile or default_tile(m, k, block, rounding)
-  tile.check(m, k, block)
-  cfg = DualConfig(rounding=rounding, scale_rule=scale_rule or DEFAULT_SCALE_RULE[rounding, tile_2d],
-                   tile_2d=tile_2d, clip_fraction=clip_fraction, tile=tile, interpret=interpret)
-  seeds = None
-  if rounding == "sr":
-    if key is None:
-      raise ValueError("rounding='sr' needs a key")
-    seeds = jnp.stack(prng.seed_words(key, prng.STREAM_ELEMENT_SR))
-  rc, rs, cc, cs = _dual_call(x, seeds, cfg)
-  row = QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k))
-  col = QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k))
+  if rounding == "sr" and key is None:
+    raise ValueError("rounding='sr' needs a key")
+  view = ViewSpec.make(rounding, scale_rule, clip_fraction, tile_2d=tile_2d)
+  row, col = quantize_views(x, view, view, row_key=key, col_key=key, tile_2d=tile_2d, tile=tile,
+                            interpret=interpret)
   if fp8:
     return row, col, (quantize_fp8.mx_to_fp8(row, interpret=interpret),
                       quantize_fp8.mx_to_fp8(col, interpret=interpret))

@@ -40,11 +40,14 @@ _SMALL = (QuantTile(32, 64, num_warps=4), QuantTile(32, 32, num_warps=4))
 _CANDIDATES = {
     "rne": (QuantTile(64, 64, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
     "sr": (QuantTile(32, 128, num_warps=4), QuantTile(64, 64, num_warps=4)) + _SMALL,
+    # Column view with a Hadamard transform (the tile is read as 32 row slices of bm/32 rows): not yet tuned.
+    "transform": (QuantTile(64, 128, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
 }
 
 
 def default_tile(m: int, k: int, block: int = 32, rounding: str = "rne") -> QuantTile:
-  """The fastest measured tile for `rounding` that divides `x[m, k]` evenly, else a ValueError naming the shape."""
+  """The fastest measured tile for `rounding` (a key of `_CANDIDATES`) that divides `x[m, k]` evenly, else a
+  ValueError naming the shape."""
   for tile in _CANDIDATES[rounding]:
     if m % tile.block_m == 0 and k % tile.block_k == 0 and tile.block_m % block == 0 \
         and tile.block_k % block == 0:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fp4jax import reference
+from fp4jax.hadamard import hadamard
 from fp4jax.kernels import quantize_fused
 from fp4jax.kernels.tiling import QuantTile, default_tile
 
@@ -86,6 +87,60 @@ def test_tile_2d_matches_reference(kind, rounding, scale_rule, clip_fraction):
   _assert_same(col, reference.quantize(x, "mxfp4", axis=0, **opts))
 
 
+def _views_reference(x, row, col, row_key, col_key):
+  """The reference quantizers of quantize_views' two views."""
+  xc = hadamard(x, col.transform, axis=0) if col.transform else x
+  return (reference.quantize(x, "mxfp4", axis=-1, rounding=row.rounding, key=row_key, scale_rule=row.scale_rule,
+                             clip_fraction=row.clip_fraction),
+          reference.quantize(xc, "mxfp4", axis=0, rounding=col.rounding, key=col_key, scale_rule=col.scale_rule,
+                             clip_fraction=col.clip_fraction))
+
+
+V = quantize_fused.ViewSpec
+# (input kind, row view, column view): the dY recipes of the mxfp4 routes (SR dgrad view, RNE wgrad view,
+# with and without H32), X's (RNE fprop view, H32 wgrad view), and SR through a transform.
+VIEW_CASES = [
+    ("special", V("sr", "noclip"), V("rne", "ocp")),
+    ("row_spread", V("rne", "ocp"), V("sr", "noclip", clip_fraction=0.87)),
+    ("special", V("rne", "ocp"), V("rne", "ocp", transform="h32")),
+    ("outliers", V("sr", "noclip"), V("rne", "ocp", transform="h32")),
+    ("normal", V("rne", "noclip"), V("sr", "noclip", transform="h16")),
+]
+
+
+@pytest.mark.parametrize("kind,row,col", VIEW_CASES)
+def test_views_match_reference(kind, row, col):
+  rng = np.random.default_rng(zlib.crc32(f"views/{kind}/{row}/{col}".encode()))
+  x = jnp.asarray(INPUTS[kind](rng)).astype(jnp.bfloat16)
+  row_key, col_key = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
+  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key, tile=TILE, interpret=True)
+  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key)):
+    _assert_same(g, w)
+
+
+def test_views_transform_nonfinite_block():
+  # A NaN or Inf spreads through its Hadamard block: the column blocks holding it get the NaN scale.
+  x = np.zeros((64, 64), np.float32)
+  x[5, 3], x[40, 9] = np.nan, np.inf
+  x = jnp.asarray(x).astype(jnp.bfloat16)
+  row, col = V(), V(transform="h32")
+  got = quantize_fused.quantize_views(x, row, col, tile=QuantTile(64, 64), interpret=True)
+  for g, w in zip(got, _views_reference(x, row, col, None, None)):
+    _assert_same(g, w)
+  nan_scales = np.argwhere(np.asarray(got[1].scales) == 255)  # [K, M/32]: (column, block of 32 rows)
+  assert nan_scales.tolist() == [[3, 0], [9, 1]]
+
+
+def test_views_support():
+  assert quantize_fused.supported_views("mxfp4", V("sr", "noclip"), V(transform="h32"), shape=(64, 64))
+  assert not quantize_fused.supported_views("mxfp4", V(transform="h32"), V())  # row transform
+  assert not quantize_fused.supported_views("mxfp4", V(), V(transform="rht16"))  # random signs
+  assert not quantize_fused.supported_views("mxfp4", V(), V("sr", "noclip"), tile_2d=True)  # views differ
+  assert not quantize_fused.supported_views("nvfp4", V(), V())
+  with pytest.raises(ValueError, match="column view needs a key"):
+    quantize_fused.quantize_views(jnp.ones((64, 64), jnp.bfloat16), V(), V("sr", "noclip"), interpret=True)
+
+
 def test_clip_fraction_1d():
   x = jnp.asarray(_row_spread(np.random.default_rng(4))).astype(jnp.bfloat16)
   opts = dict(scale_rule="noclip", clip_fraction=0.87)
@@ -148,3 +203,14 @@ def test_gpu_matches_reference(rounding, tile_2d):
   for got, want in ((row8, gemm_fp8.mx_to_fp8(want_row)), (col8, gemm_fp8.mx_to_fp8(want_col))):
     assert np.array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
     assert np.array_equal(np.asarray(got.row_scale), np.asarray(want.row_scale), equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,row,col", VIEW_CASES)
+def test_gpu_views_match_reference(kind, row, col):
+  """The compiled per-view kernel (mixed rounding, Hadamard column view) on tiled inputs with the default tile."""
+  x = jnp.asarray(np.tile(INPUTS[kind](np.random.default_rng(5)), (16, 8))).astype(jnp.bfloat16)
+  row_key, col_key = jax.random.split(jax.random.key(11))
+  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key)
+  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key)):
+    _assert_same(g, w)
