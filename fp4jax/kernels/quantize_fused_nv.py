@@ -1,0 +1,348 @@
+"""Fused NVFP4 quantizer: one read of bf16 x[M, K] writes the row view (along K) and the column view (along M).
+
+Equal bit for bit to `(reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=row_key, ...),
+reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=col_key, ...))` for fmt "nvfp4" (one FP32 outer
+per tensor) and "nvfp4_tile" (one outer per `tile_rows` rows of each K-major view), 1x16 blocks, rounding
+"rne" or "sr" chosen per view (the backward pass of fp4_dot quantizes dY by SR along one axis and RNE along the
+other). The kernel reuses the MXFP4 kernel's layout (`quantize_fused`): x read as uint32 words of two bf16
+neighbours along K, split by row parity, so packing is elementwise and only the column view is transposed.
+
+Two passes over x, with an explicit synchronisation between them:
+  1. amax (XLA, `bf16_amax` / `_tile_amaxes`): a block scale needs S_enc, which needs the amax of the whole
+     tensor (or row tile), so the amax is a separate reduction that completes before the kernel starts: one
+     integer max of x's bf16 |bit patterns| (NaN if any element is NaN or Inf, as `reference._amax`; for
+     "nvfp4_tile" one reduction to a grid of tile maxima serving both views). A caller
+     may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
+     is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
+     rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
+     q_j = S_enc / (1 + j/8), j = 0..7 (`reference._div`, correctly rounded).
+  2. the Pallas kernel: per block, amax_b from |x|'s float32 bits; s_b = e4m3_RN(min(amax_b * g, 448)) by bit
+     arithmetic (RNE on the float32 bits for normal E4M3, t * 2^9 rounded to an integer by the add of 2^23 for
+     subnormal); enc_b = S_enc / s_b; codes from |x| * enc_b clamped to 6 (`quantize_fused.encode_rne/_sr`).
+
+Exactness without in-kernel division. Pallas's Triton lowering maps a float32 `lax.div` to `arith.divf`, which
+Triton compiles to an approximate division, and exposes no `div_rn` (only raw PTX through
+`pltriton.elementwise_inline_asm`), so the kernel divides nowhere. The reference's only per-block division is
+enc_b = fl(S_enc / s_b). An E4M3 value is s_b = (1 + j/8) * 2^e (subnormals too: m * 2^-9 with m = 1..7 is 1, 1,
+1.5, 1, 1.25, 1.5, 1.75 times a power of two), so S_enc / s_b = (S_enc / (1 + j/8)) * 2^-e, and
+fl(S_enc / s_b) = q_j * 2^-e exactly whenever the result is a normal float32: scaling by a power of two commutes
+with rounding. It always is: S_enc >= fl(2688 / H) / f32_max > 7e-36 (or 0 for an infinite given amax: 0 on both
+sides), q_j >= S_enc / 1.875 and 2^-e >= 2^-8, so q_j * 2^-e > 1.5e-38 > float32 tiny; an overflow (s_b tiny,
+S_enc huge) gives inf on both sides, which min(., f32_max) maps to f32_max as the reference does.
+Everything else per element or per block is a multiplication, a min, or integer/bit arithmetic, each one
+IEEE-rounded in Triton as in XLA; where an add follows a product (the 2^23 tricks), the product is exact, so an
+FMA contraction cannot change it. Assumed on GPU, not yet measured: Triton does not flush subnormal float32
+results to zero. Only |x| * enc_b of a bf16-subnormal x in a block with a much larger max can be subnormal: RNE
+gives code 0 either way (anything below 0.25 does), SR rounds it up iff its draw u is exactly 0 (p = 2^-24),
+which a flush would turn off.
+
+Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x, the column view's over
+`tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
+come from the one pre-pass; a program then sees one S_enc per view as long as `tile_rows` is a multiple of the
+tile's block_m and block_k (`supported` requires it), handed in as per-program parameter rows.
+
+Backend: Pallas through the Triton lowering (`pltriton.CompilerParams`), `interpret=True` on CPU (the tests);
+see `quantize_fused` for why not Mosaic GPU. bf16 inputs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax import prng, reference
+from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
+from fp4jax.kernels import quantize_fused
+from fp4jax.kernels.tiling import QuantTile, default_tile
+from fp4jax.qtensor import QTensor
+
+KERNEL_NAME = "fp4jax_nvfp4_quantize_dual"
+FORMATS = ("nvfp4", "nvfp4_tile")
+ROUNDINGS = ("rne", "sr")
+BLOCK = 16
+
+_F32_ABS = 0x7FFFFFFF
+_F32_INF = 0x7F800000
+_BF16_ABS = 0x7FFF
+_BF16_INF = 0x7F80
+_E4M3_NAN = 0x7F
+_E4M3_MIN_NORMAL_BITS = 121 << 23  # float32 bits of 2^-6
+_F32_MAX = float(np.finfo(np.float32).max)
+# Per-view parameter row handed to each program: [g = S_enc * c, q_0 .. q_7, padding] (a power-of-two width).
+_N_PARAMS = 16
+_MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 significands, exact in float32
+
+
+@dataclasses.dataclass(frozen=True)
+class NvDualConfig:
+  """Static options of one fused NVFP4 launch (hashable: crosses jit as one object)."""
+
+  row_rounding: str = "rne"
+  col_rounding: str = "rne"
+  tile: QuantTile = QuantTile()
+  interpret: bool = False
+
+
+def _pick_tile(m: int, k: int, fmt: str, rounding: str, tile_rows: int) -> QuantTile:
+  """`tiling.default_tile`, or the smallest tile when the default does not divide "nvfp4_tile"'s row tiles."""
+  tile = default_tile(m, k, BLOCK, rounding)
+  if fmt == "nvfp4_tile" and (tile_rows % tile.block_m or tile_rows % tile.block_k):
+    tile = QuantTile(32, 32, num_warps=4)
+  return tile
+
+
+def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> None:
+  tile.check(m, k, BLOCK)
+  if fmt == "nvfp4_tile" and (tile_rows % tile.block_m or tile_rows % tile.block_k):
+    raise ValueError(f"{fmt=} needs {tile_rows=} to be a multiple of the kernel tile "
+                     f"(block_m={tile.block_m}, block_k={tile.block_k})")
+
+
+def supported(fmt: str, row_rounding: str = "rne", col_rounding: str = "rne", *,
+              shape: tuple[int, ...] | None = None, dtype=None, tile_rows: int = 128, **options) -> bool:
+  """Whether `quantize_dual_nv` covers this case; callers fall back to `reference.quantize` otherwise.
+
+  Covered: fmt "nvfp4" / "nvfp4_tile" (`tile_rows` a multiple of 32), 1x16 blocks, rounding "rne" / "sr"
+  per view, a bf16 x [M, K] with M and K multiples of 32. Not covered: 2-D tiles, 4/6, MS-EDEN, transforms or
+  any other reference option set (`options` left at None / False, e.g. tile_2d=False, are accepted).
+  """
+  if fmt not in FORMATS or row_rounding not in ROUNDINGS or col_rounding not in ROUNDINGS:
+    return False
+  if any(v is not None and v is not False for v in options.values()):
+    return False
+  if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+    return False
+  if fmt == "nvfp4_tile" and (tile_rows < 32 or tile_rows % 32):
+    return False
+  if shape is not None:
+    if len(shape) != 2:
+      return False
+    rounding = "sr" if "sr" in (row_rounding, col_rounding) else "rne"
+    try:
+      _check_tile(_pick_tile(*shape, fmt, rounding, tile_rows), *shape, fmt, tile_rows)
+    except ValueError:
+      return False
+  return True
+
+
+def _bf16_abs_bits(x: jax.Array) -> jax.Array:
+  """int32 bf16 bit patterns of |x|: monotone in |x|, NaN/Inf patterns (>= 0x7F80) above every finite one."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32) & _BF16_ABS
+
+
+def _bits_to_amax(m: jax.Array) -> jax.Array:
+  """float32 amax from a max of `_bf16_abs_bits`, NaN when the reduced elements hold a NaN or Inf."""
+  val = jax.lax.bitcast_convert_type(m << 16, jnp.float32)
+  return jnp.where(m >= _BF16_INF, jnp.nan, val)
+
+
+def bf16_amax(x: jax.Array) -> jax.Array:
+  """max |x| of a bf16 array as float32 (NaN if anything is non-finite): `reference._amax`, one reduction."""
+  return _bits_to_amax(jnp.max(_bf16_abs_bits(x)))
+
+
+def _tile_amaxes(x: jax.Array, tile_rows: int) -> tuple[jax.Array, jax.Array]:
+  """Per-row / per-column amax of x [M, K] under "nvfp4_tile" ([M], [K], each tile's value repeated).
+
+  One reduction of x to a [M/T, K/T] grid of T x T maxima (T = tile_rows, the last tile may be shorter), then
+  its rows give the row view's tiles (T rows of x by all of K) and its columns the column view's.
+  """
+  m, k = x.shape
+  tm, tk = -(-m // tile_rows), -(-k // tile_rows)
+  bits = jnp.pad(_bf16_abs_bits(x), ((0, tm * tile_rows - m), (0, tk * tile_rows - k)))
+  grid = jnp.max(bits.reshape(tm, tile_rows, tk, tile_rows), axis=(1, 3))  # [M/T, K/T]
+  row = jnp.repeat(_bits_to_amax(jnp.max(grid, axis=1)), tile_rows)[:m]
+  col = jnp.repeat(_bits_to_amax(jnp.max(grid, axis=0)), tile_rows)[:k]
+  return row, col
+
+
+def _view_params(amax: jax.Array, rounding: str, step: int) -> tuple[jax.Array, jax.Array]:
+  """(per-program parameter rows [P, 16], outer) of one view from its amax (() or one per K-major row).
+
+  `step`: K-major rows per program, used to pick each program's S_enc (constant within a program).
+  """
+  headroom = reference.NV_HEADROOM[rounding]
+  s_enc = reference.nvfp4_encode_scale(amax, get_format("nvfp4").scale_max / headroom)
+  outer = jnp.where(jnp.isfinite(s_enc), reference._div(jnp.float32(1.0), s_enc), jnp.nan)
+  s = s_enc.reshape(-1)[::step] if s_enc.ndim else s_enc.reshape(1)  # [P]
+  g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
+  q = reference._div(s[:, None], jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
+  pad = jnp.zeros((s.shape[0], _N_PARAMS - 9), jnp.float32)
+  return jnp.concatenate([g[:, None], q, pad], axis=1), outer
+
+
+def _e4m3_rn(t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(int32 E4M3 byte, its float32 value) of float32 t in [0, 448], round-to-nearest-even, by bit arithmetic."""
+  tb = jax.lax.bitcast_convert_type(t, jnp.int32)
+  # Normal E4M3 (t >= 2^-6): RNE to 3 mantissa bits on the float32 bits; the carry may bump the exponent.
+  rb = (tb + 0x7FFFF + ((tb >> 20) & 1)) >> 20  # (float32 biased exponent << 3) | mantissa
+  # Subnormal (t < 2^-6): m * 2^-9 with m = RNE(t * 2^9) in 0..8 (8 is the smallest normal, byte 0x08).
+  sub = jax.lax.bitcast_convert_type(t * 512.0 + 8388608.0, jnp.int32) - 0x4B000000
+  normal = tb >= _E4M3_MIN_NORMAL_BITS
+  byte = jnp.where(normal, rb - (120 << 3), sub)
+  value = jnp.where(normal, jax.lax.bitcast_convert_type(rb << 20, jnp.float32),
+                    sub.astype(jnp.float32) * jnp.float32(2.0**-9))
+  return byte, value
+
+
+def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
+  """enc_b = fl(S_enc / s_b) (0 when s_b = 0, at most f32 max) as q_j * 2^-e for s_b = (1 + j/8) * 2^e."""
+  b = jax.lax.bitcast_convert_type(sf, jnp.int32)
+  j = (b >> 20) & 7
+  q = p_ref[0, 1]
+  for i in range(1, 8):
+    q = jnp.where(j == i, p_ref[0, 1 + i], q)
+  pow2_neg_e = jax.lax.bitcast_convert_type((254 - (b >> 23)) << 23, jnp.float32)  # exact: a normal 2^-e
+  return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2_neg_e, _F32_MAX))
+
+
+def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
+          rounding: str):
+  """Packed codes [h, w] and E4M3 scale bytes of one view of two element sets sharing their blocks.
+
+  abs_*: int32 |x| float32 bits [h, w] of the low / high nibble elements (neighbours along the view's axis);
+  `blocks` reshapes [h, w] so that `axis` runs along a block of 16; p_ref: this program's parameter row.
+  """
+  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
+  g = p_ref[0, 0]
+  ok = (amax < _F32_INF) & (g == g)  # a non-finite block, or a NaN S_enc: NaN scale, zero codes
+  t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
+  byte, sf = _e4m3_rn(t)
+  enc = _block_encode(sf, p_ref)
+
+  def codes(a, sign, r24):
+    mag = jnp.minimum(jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * enc, E2M1_MAX)
+    encode = quantize_fused.ENCODERS[rounding]
+    return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
+
+  packed = jnp.where(ok, codes(abs_lo, sign_lo, r24_lo) | (codes(abs_hi, sign_hi, r24_hi) << 4), 0)
+  scale = jnp.where(ok, byte, _E4M3_NAN)
+  return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+
+
+def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
+               k: int):
+  """One tile of x as bf16 pairs -> both views.
+
+  seed_ref: uint32 [4], the row view's then the column view's SR seed words. prow_ref / pcol_ref: float32
+  [1, 16] parameter rows (`_view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
+  the even column in the low half. Outputs, parity split out as in `quantize_fused`: row codes [bm/2, 2, bk/2],
+  row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
+  """
+  h, _, w = x_ref.shape
+  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
+  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
+  mag = {pq: b & _F32_ABS for pq, b in bits.items()}
+  sign = {pq: (b >> 28) & 8 for pq, b in bits.items()}
+
+  index = quantize_fused.PairIndex(tuple(bits), h, w, k)
+
+  def random_bits(view: int, rounding: str):
+    """int32 24-bit draws per element for a view, keyed by x's row-major flat index like the reference."""
+    return quantize_fused.random_bits(seed_ref, view, index) if rounding == "sr" else dict.fromkeys(bits)
+
+  r24 = random_bits(0, cfg.row_rounding)
+  for p in range(2):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
+    codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
+                          (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
+    rc_ref[:, p, :] = codes  # [h, w]
+    rs_ref[:, p, :] = scales  # [h, w/8]
+  r24 = random_bits(1, cfg.col_rounding)
+  for q in range(2):  # column view: blocks of 16 along M = 8 row pairs; column parity q packs rows (2i, 2i+1)
+    codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
+                          (h // 8, 8, w), 1, pcol_ref, cfg.col_rounding)
+    cc_ref[:, q, :] = codes.T  # [w, h]
+    cs_ref[:, q, :] = scales.T  # [w, h/8]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, cfg: NvDualConfig):
+  m, k = x.shape
+  t = cfg.tile
+  h, w = t.block_m // 2, t.block_k // 2
+  xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
+  out_shape = (
+      jax.ShapeDtypeStruct((m // 2, 2, k // 2), jnp.uint8),
+      jax.ShapeDtypeStruct((m // 2, 2, k // 16), jnp.uint8),
+      jax.ShapeDtypeStruct((k // 2, 2, m // 2), jnp.uint8),
+      jax.ShapeDtypeStruct((k // 2, 2, m // 16), jnp.uint8),
+  )
+  out_specs = (
+      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
+      pl.BlockSpec((h, 2, w // 8), lambda i, j: (i, 0, j)),
+      pl.BlockSpec((w, 2, h), lambda i, j: (j, 0, i)),
+      pl.BlockSpec((w, 2, h // 8), lambda i, j: (j, 0, i)),
+  )
+  in_specs = [
+      pl.BlockSpec((4,), lambda i, j: (0,)),
+      pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0)),
+      pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)),
+      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
+  ]
+  rc, rs, cc, cs = pl.pallas_call(
+      functools.partial(_nv_kernel, cfg=cfg, k=k),
+      out_shape=out_shape,
+      grid=(m // t.block_m, k // t.block_k),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+      interpret=cfg.interpret,
+      name=KERNEL_NAME,
+  )(seeds, prow, pcol, xw)
+  return rc.reshape(m, k // 2), rs.reshape(m, k // 16), cc.reshape(k, m // 2), cs.reshape(k, m // 16)
+
+
+def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
+  """uint32 [2] SR seed words of one view (zeros for RNE, which draws nothing)."""
+  if rounding != "sr":
+    return jnp.zeros((2,), jnp.uint32)
+  if key is None:
+    raise ValueError(f"{name}_rounding='sr' draws random bits and needs {name}_key")
+  return jnp.stack(prng.seed_words(key, prng.STREAM_ELEMENT_SR))
+
+
+def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "rne", col_rounding: str = "rne",
+                     row_key: jax.Array | None = None, col_key: jax.Array | None = None,
+                     tensor_amax: jax.Array | None = None, tile_rows: int = 128, tile: QuantTile | None = None,
+                     interpret: bool = False) -> tuple[QTensor, QTensor]:
+  """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
+
+  Equal bit for bit to `reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=row_key,
+  tensor_amax=tensor_amax, tile_rows=tile_rows)` and the same with axis=0, col_rounding, col_key.
+  `tensor_amax` ("nvfp4" only): a precomputed amax; else `bf16_amax(x)` runs first (one XLA reduction).
+  `interpret=True` runs the kernel in Pallas interpret mode (CPU).
+  """
+  if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows):
+    raise ValueError(f"quantize_dual_nv does not cover {fmt=}, {row_rounding=}, {col_rounding=}, {x.dtype=}, "
+                     f"{tile_rows=}; check `supported(...)` and fall back to reference.quantize")
+  if x.ndim != 2:
+    raise ValueError(f"quantize_dual_nv takes a 2-D x, got {x.shape=}")
+  if tensor_amax is not None and fmt != "nvfp4":
+    raise ValueError(f"tensor_amax applies to fmt='nvfp4' (one scale per tensor), not {fmt=}")
+  m, k = x.shape
+  rounding = "sr" if "sr" in (row_rounding, col_rounding) else "rne"
+  tile = tile or _pick_tile(m, k, fmt, rounding, tile_rows)
+  _check_tile(tile, m, k, fmt, tile_rows)
+  seeds = jnp.concatenate([_seeds(row_rounding, row_key, "row"), _seeds(col_rounding, col_key, "col")])
+  if fmt == "nvfp4":
+    amax = bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
+    row_amax = col_amax = amax
+  else:
+    row_amax, col_amax = _tile_amaxes(x, tile_rows)  # [M], [K]
+  prow, row_outer = _view_params(row_amax, row_rounding, tile.block_m)
+  pcol, col_outer = _view_params(col_amax, col_rounding, tile.block_k)
+  if fmt == "nvfp4":  # one parameter row serves every program
+    prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
+    pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
+  cfg = NvDualConfig(row_rounding=row_rounding, col_rounding=col_rounding, tile=tile, interpret=interpret)
+  rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
+  e4m3 = jnp.float8_e4m3fn
+  row = QTensor(rc, jax.lax.bitcast_convert_type(rs, e4m3), row_outer, fmt=fmt, axis=1, shape=(m, k))
+  col = QTensor(cc, jax.lax.bitcast_convert_type(cs, e4m3), col_outer, fmt=fmt, axis=0, shape=(m, k))
+  return row, col
