@@ -20,6 +20,12 @@ Residuals (what the forward saves for the backward): only what the backward GEMM
   With `requantize_saved` (Quartet II) those QTensors are quantized from the dequantized fprop FP4 X and W,
   never from the high-precision inputs. Quantizing X and W for the backward in the forward pass gives the same
   numbers as doing it in the backward (same keys) and keeps FP4, not bf16, alive between the passes.
+
+Fused quantization (on a GPU, `FUSED_QUANTIZER`): the two operands read from one array -- X for fprop (along
+K) and wgrad (along M), dY for dgrad (along N) and wgrad (along M) -- come from ONE pass of
+`kernels.quantize_fused` where it covers both recipes (each with its own rounding, key and a fixed Hadamard
+on the wgrad view), bit for bit the reference quantizer's numbers; anything else falls back to
+`reference.quantize` compiled by XLA.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from fp4jax import kernels
 from fp4jax import route as route_lib
 from fp4jax.formats import FORMATS
 from fp4jax.hadamard import hadamard
-from fp4jax.kernels import gemm_emulated, quantize_fused
+from fp4jax.kernels import gemm_emulated, quantize_fused, quantize_fused_nv
 from fp4jax.qtensor import QTensor, pack_codes
 from fp4jax.reference import dequantize, quantize
 from fp4jax.route import OperandSpec, Route
@@ -136,45 +142,93 @@ def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
                            f"{mult} ({role}: {reason})")
 
 
-def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str,
-             gemm: str, fused_views: dict | None = None) -> Operand:
-  """One GEMM operand from a 2-D array `v`, reduced along `axis`, in K-major layout (`axis` last).
-
-  fused_views: where given, the fused quantizer's (row, column) views of deterministic (RNE) operands are kept
-  there by (array, spec), so the other view of the same array and spec costs no second pass (X along K for
-  fprop and along M for wgrad, in the mxfp4 routes).
-  """
+def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str) -> Operand:
+  """One GEMM operand (`role`, e.g. "fprop_x") from a 2-D array `v`, reduced along `axis`, K-major (`axis` last)."""
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
+  views = _fused_views(v, spec, spec, key, (role, role))  # one recipe on both views: keep ours
+  if views is not None:
+    return views[0] if axis == 1 else views[1]
   if spec.transform is not None:
     random_signs = route_lib.TRANSFORMS[spec.transform].random_signs
-    tkey = route_lib.transform_key(key, gemm) if random_signs else None
+    tkey = route_lib.transform_key(key, _gemm_of(role)) if random_signs else None
     v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=tkey)
-  rkey = route_lib.operand_key(key, role) if spec.rounding != "rne" else None
-  options = dict(rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule, tile_2d=spec.tile_2d,
-                 clip_fraction=spec.clip_fraction)
-  if _fused_quantizer_covers(v, spec):
-    memo = fused_views if rkey is None and fused_views is not None else {}
-    # Keyed by id, with the array kept in the entry: it stays alive, so its id cannot be reused meanwhile.
-    source, views = memo.get((id(v), spec), (None, None))
-    if source is not v:
-      views = quantize_fused.quantize_dual(v, spec.fmt, interpret=FUSED_QUANTIZER == "interpret", **options)
-      memo[(id(v), spec)] = (v, views)
-    return views[0] if axis == 1 else views[1]
-  return quantize(v, spec.fmt, axis=axis, **options)
+  return quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=_rounding_key(spec, key, role),
+                  scale_rule=spec.scale_rule, tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
 
 
-# Where the fused Pallas quantizer replaces `reference.quantize` (same bits): "gpu" (on a GPU backend, the
+def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array,
+                   roles: tuple[str, str]) -> tuple[Operand, Operand]:
+  """The two operands read from one 2-D array: `v` along axis 1 (`row`, K-major [R, C]) and along axis 0
+  (`col`, K-major [C, R]), e.g. X for fprop and wgrad, dY for dgrad and wgrad, W for dgrad and fprop.
+
+  Where a fused quantizer covers both recipes (each with its own rounding and key), one pass over `v` writes
+  both; otherwise each is prepared on its own.
+  """
+  views = _fused_views(v, row, col, key, roles)
+  if views is not None:
+    return views
+  return _prepare(v, row, 1, key, roles[0]), _prepare(v, col, 0, key, roles[1])
+
+
+def _mx_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool):
+  views = [quantize_fused.ViewSpec.make(s.rounding, s.scale_rule, s.clip_fraction, s.transform, s.tile_2d)
+           for s in (row, col)]
+  if not quantize_fused.supported_views(row.fmt, *views, shape=v.shape, dtype=v.dtype, tile_2d=row.tile_2d):
+    return None
+  return quantize_fused.quantize_views(v, *views, tile_2d=row.tile_2d, interpret=interpret, **keys)
+
+
+def _nv_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool):
+  if row.transform or col.transform or row.tile_2d or not quantize_fused_nv.supported(
+      row.fmt, row.rounding, col.rounding, shape=v.shape, dtype=v.dtype):
+    return None
+  return quantize_fused_nv.quantize_dual_nv(v, row.fmt, row_rounding=row.rounding, col_rounding=col.rounding,
+                                            interpret=interpret, **keys)
+
+
+# Fused dual-view quantizers by format: (v, row spec, col spec, keys, interpret) -> (row, col) or None.
+_FUSED_VIEWS = {"mxfp4": _mx_views, "nvfp4": _nv_views, "nvfp4_tile": _nv_views}
+
+
+def _fused_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array,
+                 roles: tuple[str, str]) -> tuple[QTensor, QTensor] | None:
+  """Both views of `v` from one fused-quantizer pass (bit for bit the reference's), or None if none covers
+  them. A transform is covered only where the kernel applies it itself (the MX column view's H16/H32)."""
+  fused = _FUSED_VIEWS.get(row.fmt)
+  if not _fused_quantizer_on() or fused is None or row.fmt != col.fmt or row.tile_2d != col.tile_2d:
+    return None
+  if FUSED_QUANTIZER == "gpu" and ((row.fmt != "mxfp4" and not FUSED_NVFP4_ON_GPU) or
+                                   ((row.transform or col.transform) and not FUSED_HADAMARD_ON_GPU)):
+    return None
+  row_key, col_key = (_rounding_key(s, key, role) for s, role in zip((row, col), roles))
+  if roles[0] == roles[1]:
+    col_key = row_key  # one recipe for both views: the same bits
+  return fused(v, row, col, dict(row_key=row_key, col_key=col_key), FUSED_QUANTIZER == "interpret")
+
+
+def _gemm_of(role: str) -> str:
+  return role.split("_")[0]  # "wgrad_dy" -> "wgrad"
+
+
+def _rounding_key(spec: OperandSpec, key: jax.Array, role: str) -> jax.Array | None:
+  """The key of the operand's random rounding (SR, MS-EDEN), None for round-to-nearest."""
+  return route_lib.operand_key(key, role) if spec.rounding != "rne" else None
+
+
+# Where the fused Pallas quantizers replace `reference.quantize` (same bits): "gpu" (on a GPU backend, the
 # default), "interpret" (everywhere, in Pallas interpret mode: tests), or "off".
 FUSED_QUANTIZER = "gpu"
+# Opt-in paths of the "gpu" mode ("interpret" uses every path). The NVFP4 kernel (`quantize_fused_nv`) has
+# run only in interpret mode so far. The MXFP4 kernel's Hadamard column view is bitwise right on an H200 and
+# makes mxfp4_h32's forward+backward 1.24x faster at 16384x4096->14336, but took ~100 s to compile there
+# (two instances, X's and dY's) against ~2 s without it (docs/BENCHMARKS.md).
+FUSED_NVFP4_ON_GPU = False
+FUSED_HADAMARD_ON_GPU = False
 
 
-def _fused_quantizer_covers(v: jax.Array, spec: OperandSpec) -> bool:
-  if FUSED_QUANTIZER == "off" or (FUSED_QUANTIZER == "gpu" and jax.default_backend() != "gpu"):
-    return False
-  return quantize_fused.supported(spec.fmt, spec.rounding, shape=v.shape, dtype=v.dtype,
-                                  scale_rule=spec.scale_rule, tile_2d=spec.tile_2d,
-                                  clip_fraction=spec.clip_fraction)
+def _fused_quantizer_on() -> bool:
+  return FUSED_QUANTIZER == "interpret" or (FUSED_QUANTIZER == "gpu" and jax.default_backend() == "gpu")
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -211,38 +265,36 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: str | None) -> jax.Array:
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _fprop(plan: _Plan, x, w, key, fused_views=None):
-  r = plan.route
-  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop", fused_views)  # [M, K]
-  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", "fprop")  # K-major [N, K]
-  return _gemm(xa, wb, plan.out_dtype, plan.impl), xa, wb  # [M, N]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dot2d(plan: _Plan, x, w, key):
-  return _fprop(plan, x, w, key)[0]
+  r = plan.route
+  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x")  # [M, K]
+  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")  # K-major [N, K]
+  return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
 def _dot2d_fwd(plan: _Plan, x, w, key):
   r = plan.route
-  fused_views = {}
-  y, xa, wb = _fprop(plan, x, w, key, fused_views)
-  x_src = dequantize(xa) if r.requantize_saved else x  # [M, K]
-  w_src = dequantize(wb) if r.requantize_saved else w  # [K, N]
-  x_wgrad = _prepare(x_src, r.wgrad_x, 0, key, "wgrad_x", "wgrad", fused_views)  # K-major [K, M]
-  if _reuses_fprop_w(r):
-    w_dgrad = other_orientation(wb)  # K-major [K, N]
+  if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
+    xa = _prepare(x, r.fprop_x, 1, key, "fprop_x")  # [M, K]
+    wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")  # K-major [N, K]
+    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, key, "wgrad_x")  # K-major [K, M]
+    w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, key, "dgrad_w")  # K-major [K, N]
   else:
-    w_dgrad = _prepare(w_src, r.dgrad_w, 1, key, "dgrad_w", "dgrad")  # K-major [K, N]
-  return y, (x_wgrad, w_dgrad, key)
+    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, key, ("fprop_x", "wgrad_x"))
+    if _reuses_fprop_w(r):
+      wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")
+      w_dgrad = other_orientation(wb)
+    else:
+      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, key, ("dgrad_w", "fprop_w"))
+  return _gemm(xa, wb, plan.out_dtype, plan.impl), (x_wgrad, w_dgrad, key)
 
 
 def _dot2d_bwd(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
-  dy_d = _prepare(g, r.dgrad_dy, 1, key, "dgrad_dy", "dgrad")  # K-major [M, N]
+  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, key, ("dgrad_dy", "wgrad_dy"))  # [M, N], [N, M]
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
-  dy_w = _prepare(g, r.wgrad_dy, 0, key, "wgrad_dy", "wgrad")  # K-major [N, M]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
   return dx, dw, None
 

@@ -6,7 +6,23 @@ import numpy as np
 import pytest
 
 from fp4jax import dot
+from fp4jax.hadamard import hadamard as dot_hadamard
 from fp4jax.kernels import quantize_fused
+
+
+def _pallas_launches(jaxpr) -> int:
+  """pallas_call equations in a jaxpr, counting each call of a shared sub-jaxpr (printed once) every time."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      n += 1
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          n += _pallas_launches(sub)
+  return n
 
 
 def _value_and_grads(route, x, w, key):
@@ -14,7 +30,7 @@ def _value_and_grads(route, x, w, key):
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
 
 
-@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_sr"])
+@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_sr", "mxfp4_h32", "nvfp4", "nvfp4_tile_local"])
 def test_fused_quantizer_matches_reference_in_fp4_dot(route, monkeypatch):
   kx, kw, kk = jax.random.split(jax.random.key(7), 3)
   x = jax.random.normal(kx, (64, 64), jnp.float32).astype(jnp.bfloat16)
@@ -28,12 +44,61 @@ def test_fused_quantizer_matches_reference_in_fp4_dot(route, monkeypatch):
 
 
 def test_fused_quantizer_is_used_and_shared_between_views(monkeypatch):
-  """X along K (fprop) and along M (wgrad) come from ONE fused pass; W (32x32 tiles) from another."""
+  """X along K (fprop) and along M (wgrad, H32) come from ONE fused pass, dY along N (dgrad, SR) and along M
+  (wgrad, H32) from another; W (32x32 tiles, read by fprop and dgrad) from a third."""
   monkeypatch.setattr(dot, "FUSED_QUANTIZER", "interpret")
   calls = []
-  real = quantize_fused.quantize_dual
-  monkeypatch.setattr(quantize_fused, "quantize_dual", lambda *a, **k: calls.append(k) or real(*a, **k))
+  for name in ("quantize_dual", "quantize_views"):
+    real = getattr(quantize_fused, name)
+    monkeypatch.setattr(quantize_fused, name,
+                        lambda *a, real=real, name=name, **k: calls.append((name, a[1:], k)) or real(*a, **k))
   x = jnp.ones((64, 64), jnp.bfloat16)
   w = jnp.ones((64, 32), jnp.bfloat16)
-  jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: dot.fp4_dot(x, w, route="mxfp4_rtn"), x, w)[0])(x, w)
-  assert [c["tile_2d"] for c in calls] == [False, True]
+  key = jax.random.key(0)
+  jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(
+      lambda x, w: dot.fp4_dot(x, w, route="mxfp4_h32", key=key), x, w)[1](jnp.ones((64, 32), jnp.bfloat16)))(x, w)
+  assert _pallas_launches(jaxpr.jaxpr) == 3  # one kernel launch per array: X, W, dY
+  summary = [(name, tuple((v.rounding, v.transform) for v in args if name == "quantize_views"),
+              k.get("tile_2d", False)) for name, args, k in calls]
+  assert summary == [
+      ("quantize_views", (("rne", None), ("rne", "h32")), False),  # X: fprop + wgrad
+      ("quantize_views", (("rne", None), ("rne", None)), True),  # W: 32x32 tiles
+      ("quantize_views", (("sr", None), ("rne", "h32")), False),  # dY: dgrad + wgrad
+  ]
+
+
+# Fused launches in one fp4_dot forward + backward: one per array read where a kernel covers its recipes.
+LAUNCHES = {
+    "mxfp4": 3,  # X (fprop + wgrad), W (32x32 tiles), dY (SR dgrad + RNE wgrad)
+    "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
+    "nvfp4": 2,  # X's and dY's un-transformed views only (RHT16 wgrad views and 16x16 W tiles: XLA reference)
+    "quartet2": 0,  # 4/6 and MS-EDEN: XLA reference
+}
+
+
+@pytest.mark.parametrize("route", sorted(LAUNCHES))
+def test_fused_launches_per_route(route, monkeypatch):
+  monkeypatch.setattr(dot, "FUSED_QUANTIZER", "interpret")
+  x = w = g = jnp.ones((128, 128), jnp.bfloat16)  # quartet2's RHT128 needs multiples of 128
+  key = jax.random.key(0)
+  jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(
+      lambda x, w: dot.fp4_dot(x, w, route=route, key=key), x, w)[1](g))(x, w)
+  assert _pallas_launches(jaxpr.jaxpr) == LAUNCHES[route]
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_gpu_mode_opt_in_paths(opt_in, monkeypatch):
+  """On a GPU, the NVFP4 kernel and the fused Hadamard column view are used only when opted in (traced here
+  with the backend reported as "gpu"; nothing is compiled)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(dot, "FUSED_NVFP4_ON_GPU", opt_in)
+  monkeypatch.setattr(dot, "FUSED_HADAMARD_ON_GPU", opt_in)
+  xla_hadamards = []
+  monkeypatch.setattr(dot, "hadamard", lambda *a, **k: xla_hadamards.append(k) or dot_hadamard(*a, **k))
+  x = w = g = jnp.ones((128, 128), jnp.bfloat16)
+  key = jax.random.key(0)
+  trace = lambda route: jax.make_jaxpr(lambda x, w: jax.vjp(
+      lambda x, w: dot.fp4_dot(x, w, route=route, key=key), x, w)[1](g))(x, w).jaxpr
+  assert _pallas_launches(trace("nvfp4_tile_local")) == (3 if opt_in else 0)
+  assert _pallas_launches(trace("mxfp4_h32")) == 3
+  assert len(xla_hadamards) == (0 if opt_in else 2)  # X's and dY's wgrad views
