@@ -5,6 +5,8 @@ Subcommands:
             4096->4096) against a bf16 dot and a per-tensor FP8 dot; `--small` for a CPU smoke run. Also checks
             that the fp8 backend compiles to a cuBLAS(Lt) FP8 GEMM and equals the emulated product.
   quantize  the fused quantizer benchmark (fp4jax.kernels.bench_quantize.main), options passed through.
+  compile   lower + compile time of fp4_dot forward and forward+backward per route (no data, no run), e.g.
+            to compare XLA_FLAGS settings.
 
 Times are medians of `fp4jax._timing.bench` (block_until_ready per call, inputs rotated when small vs L2).
 The table comes last; `--out` writes every number as JSON.
@@ -17,6 +19,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -206,9 +209,9 @@ def _fp4_fprop_prequantized_w(route: str, key: jax.Array):
   from fp4jax import dot, route as route_lib  # pylint: disable=g-import-not-at-top
 
   r = route_lib.get(route)
-  prep_w = jax.jit(lambda w: dot._prepare(w, r.fprop_w, 0, key, "fprop_w", "fprop"))  # pylint: disable=protected-access
+  prep_w = jax.jit(lambda w: dot._prepare(w, r.fprop_w, 0, key, "fprop_w"))  # pylint: disable=protected-access
   fwd = jax.jit(lambda x, wq: dot._gemm(  # pylint: disable=protected-access
-      dot._prepare(x, r.fprop_x, 1, key, "fprop_x", "fprop"), wq, x.dtype, None))  # pylint: disable=protected-access
+      dot._prepare(x, r.fprop_x, 1, key, "fprop_x"), wq, x.dtype, None))  # pylint: disable=protected-access
   return prep_w, fwd
 
 
@@ -321,6 +324,28 @@ def run_dot(args: argparse.Namespace) -> None:
   print(rows.table())
 
 
+def run_compile(args: argparse.Namespace) -> None:
+  """The `compile` subcommand: times `jax.jit(f).lower(...)` and `.compile()` of fp4_dot per route."""
+  from fp4jax.dot import fp4_dot  # pylint: disable=g-import-not-at-top
+  shapes = SMALL_SHAPES if args.small else LLAMA8B_SHAPES
+  m = SMALL_TOKENS if args.small else LLAMA8B_TOKENS
+  print(f"fp4jax.bench compile: {_device_info()} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+  key = jax.random.key(0)
+  for si in args.shapes if args.shapes else range(len(shapes)):
+    sname, k, n = shapes[si]
+    x, w, dy = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n)))
+    for route in args.routes:
+      fwd = lambda x, w, route=route: fp4_dot(x, w, route=route, key=key)
+      fwd_bwd = lambda x, w, dy, fwd=fwd: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fwd, x, w))
+      for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
+        t0 = time.perf_counter()
+        lowered = jax.jit(fn).lower(*fargs)
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2 = time.perf_counter()
+        print(f"  {sname:18s} {route:18s} {name:8s} lower {t1 - t0:6.1f} s  compile {t2 - t1:6.1f} s", flush=True)
+
+
 def run_quantize(args: argparse.Namespace) -> None:
   """The `quantize` subcommand: fp4jax.kernels.bench_quantize.main(remaining arguments)."""
   try:
@@ -345,11 +370,18 @@ def _add_dot_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", help="write all numbers as JSON here")
 
 
+def _add_compile_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+  p.add_argument("--shapes", type=int, nargs="*", help="indices of the shapes (default: all)")
+  p.add_argument("--routes", nargs="*", default=list(DEFAULT_ROUTES), help="fp4_dot routes to compile")
+
+
 # name -> (add arguments, run, help). A subcommand without its own arguments (None) gets all of them, unparsed,
 # as `args.rest` (`--help` included).
 SUBCOMMANDS = {
     "dot": (_add_dot_args, run_dot, "GEMMs and fp4_dot at Llama-8B shapes vs bf16 and FP8"),
     "quantize": (None, run_quantize, "the fused quantizer benchmark (fp4jax.kernels.bench_quantize)"),
+    "compile": (_add_compile_args, run_compile, "fp4_dot compile time per route"),
 }
 
 

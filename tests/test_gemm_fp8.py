@@ -209,6 +209,22 @@ def test_bench_dot_small_smoke(tmp_path, capsys):
   assert all(c["nan_pattern_equal"] and c["max_diff_over_bound"] <= 1 for c in checks.values())
 
 
+def test_bench_compile_small_smoke(capsys):
+  bench.main(["compile", "--small", "--shapes", "0", "--routes", "mxfp4"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if "mxfp4" in l and "compile" in l]
+  assert [l.split()[3] for l in lines] == ["fwd", "fwd+bwd"], lines
+
+
+def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
+  # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
+  from fp4jax.kernels import bench_quantize  # pylint: disable=g-import-not-at-top
+  rc = bench_quantize.main(["--interpret", "--shapes", "64x64", "--variants", "views dY sr|rne,nv dY sr|rne",
+                            "--out", str(tmp_path)])
+  table = capsys.readouterr().out
+  assert rc == 0 and "fused views dY sr|rne" in table and "fused nv dY sr|rne" in table
+  assert "MISMATCH" not in table
+
+
 def test_bench_quantize_passes_arguments_through(monkeypatch):
   seen = []
   fake = types.ModuleType("fp4jax.kernels.bench_quantize")

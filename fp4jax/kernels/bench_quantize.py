@@ -2,7 +2,8 @@
 
 `python -m fp4jax.kernels.bench_quantize [--shapes 16384x4096,...] [--out DIR]` (or `python -m fp4jax.bench
 quantize ...`). For every shape: checks each fused variant bit for bit against the jitted `reference.quantize`
-(both views, codes and scales; "+fp8" variants also against `gemm_fp8.mx_to_fp8`), then times it, the
+(both views, codes and scales; "+fp8" variants also against `gemm_fp8.mx_to_fp8`; "views" variants give each
+view its own recipe, as fp4_dot's X and dY passes: `quantize_fused.quantize_views`), then times it, the
 XLA-compiled reference producing the same outputs, and a copy of x (`-x`: one read and one write of x, the
 bandwidth ceiling). "to_fp8" rows time `quantize_fp8.mx_to_fp8` alone against `gemm_fp8.mx_to_fp8` (XLA).
 Bytes are the fewest a pass must move: x read once plus every output written once. Prints a table last;
@@ -22,13 +23,17 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import reference
-from fp4jax.kernels import gemm_fp8, quantize_fp8, quantize_fused
+from fp4jax.hadamard import hadamard
+from fp4jax.kernels import gemm_fp8, quantize_fp8, quantize_fused, quantize_fused_nv
 from fp4jax.kernels.quantize_fp8 import Fp8Tile
+from fp4jax.kernels.quantize_fused import ViewSpec
 from fp4jax.kernels.tiling import QuantTile
 
 SHAPES = ((16384, 4096), (16384, 14336), (4096, 14336))
-# (label, quantize_dual options, tile or None for the heuristic default)
+# (label, quantize_dual options -- or views=(row ViewSpec, column ViewSpec) for quantize_views, or
+# nv=(format, row rounding, column rounding) for quantize_fused_nv --, tile or None for the heuristic default)
 _W = dict(rounding="rne", scale_rule="noclip", tile_2d=True, clip_fraction=0.87)  # Hu's 32x32 weight tiles
+_RNE, _SR = ViewSpec("rne", "ocp"), ViewSpec("sr", "noclip")
 VARIANTS = (
     ("rne/ocp", dict(rounding="rne", scale_rule="ocp"), None),
     ("sr/noclip", dict(rounding="sr", scale_rule="noclip"), None),
@@ -36,6 +41,17 @@ VARIANTS = (
     ("sr/noclip+fp8", dict(rounding="sr", scale_rule="noclip", fp8=True), None),
     ("w32x32/noclip/0.87", _W, None),
     ("w32x32/noclip/0.87+fp8", dict(_W, fp8=True), None),
+    ("views dY sr|rne", dict(views=(_SR, _RNE)), None),  # mxfp4's dY: dgrad SR, wgrad RNE
+    ("views X rne|rne+h32", dict(views=(_RNE, ViewSpec("rne", "ocp", transform="h32"))), None),  # mxfp4_h32's X
+    ("views dY sr|rne+h32", dict(views=(_SR, ViewSpec("rne", "ocp", transform="h32"))), None),  # and its dY
+    ("views h32 32x128w4", dict(views=(_RNE, ViewSpec("rne", "ocp", transform="h32"))),
+     QuantTile(32, 128, num_warps=4)),
+    ("views h32 64x64w4", dict(views=(_RNE, ViewSpec("rne", "ocp", transform="h32"))),
+     QuantTile(64, 64, num_warps=4)),
+    ("nv rne|rne", dict(nv=("nvfp4", "rne", "rne")), None),  # NVFP4 X (global scale: amax pass + kernel)
+    ("nv dY sr|rne", dict(nv=("nvfp4", "sr", "rne")), None),
+    ("nvtile rne|rne", dict(nv=("nvfp4_tile", "rne", "rne")), None),  # tile-local NVFP4
+    ("nvtile dY sr|rne", dict(nv=("nvfp4_tile", "sr", "rne")), None),
     ("rne 64x128w8", dict(rounding="rne", scale_rule="ocp"), QuantTile(64, 128, num_warps=8)),
     ("rne 32x256w4", dict(rounding="rne", scale_rule="ocp"), QuantTile(32, 256, num_warps=4)),
     ("sr 64x64w4", dict(rounding="sr", scale_rule="noclip"), QuantTile(64, 64, num_warps=4)),
@@ -61,10 +77,37 @@ def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def _reference_dual(x, key, fp8=False, **opts):
+def _reference_dual(x, key, fp8=False, views=None, nv=None, **opts):
+  if nv is not None:
+    fmt, *roundings = nv
+    return tuple(reference.quantize(x, fmt, axis=axis, rounding=r, key=k)
+                 for axis, r, k in zip((-1, 0), roundings, _view_keys(key)))
+  if views is not None:  # quantize_views: each view its recipe and key
+    row_v, col_v = views
+    xc = hadamard(x, col_v.transform, axis=0) if col_v.transform else x
+    return tuple(reference.quantize(a, "mxfp4", axis=axis, rounding=v.rounding, key=k, scale_rule=v.scale_rule,
+                                    clip_fraction=v.clip_fraction)
+                 for a, axis, v, k in zip((x, xc), (-1, 0), views, _view_keys(key)))
   row = reference.quantize(x, "mxfp4", axis=-1, key=key, **opts)
   col = reference.quantize(x, "mxfp4", axis=0, key=key, **opts)
   return (row, col, (gemm_fp8.mx_to_fp8(row), gemm_fp8.mx_to_fp8(col))) if fp8 else (row, col)
+
+
+def _view_keys(key):
+  return jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+
+
+def _fused(x, key, tile, interpret, views=None, nv=None, **opts):
+  if nv is not None:
+    fmt, row_rounding, col_rounding = nv
+    row_key, col_key = _view_keys(key)
+    return quantize_fused_nv.quantize_dual_nv(x, fmt, row_rounding=row_rounding, col_rounding=col_rounding,
+                                              row_key=row_key, col_key=col_key, tile=tile, interpret=interpret)
+  if views is not None:
+    row_key, col_key = _view_keys(key)
+    return quantize_fused.quantize_views(x, *views, row_key=row_key, col_key=col_key, tile=tile,
+                                         interpret=interpret)
+  return quantize_fused.quantize_dual(x, "mxfp4", key=key, tile=tile, interpret=interpret, **opts)
 
 
 def _mismatches(got, want) -> dict[str, int]:
@@ -135,17 +178,16 @@ def _fp8_row(x, tile, copy_bw, interpret, log) -> tuple:
 
 def _check_and_time(label, opts, tile, x, key, interpret, xla_times, rows, copy_bw):
   """Checks one fused variant bit for bit against the jitted reference, then times it (and XLA, once)."""
-  kern = jax.jit(lambda x, key: quantize_fused.quantize_dual(x, "mxfp4", key=key, tile=tile,
-                                                             interpret=interpret, **opts))
+  kern = jax.jit(lambda x, key: _fused(x, key, tile, interpret, **opts))
   ref = jax.jit(lambda x, key: _reference_dual(x, key, **opts))
   got = kern(x, key)
   bad = _mismatches(got, ref(x, key))
   ok = "ok" if not any(bad.values()) else f"MISMATCH {bad}"
   moved = x.size * x.dtype.itemsize + _nbytes(got)
-  base = tuple(sorted(opts.items()))
+  base = repr(sorted(opts.items()))
   if base not in xla_times:
     xla_times[base] = t_xla = _time(ref, (x, key))
-    rows.append((f"{x.shape[0]}x{x.shape[1]}", f"xla ref {label.split()[0]}", t_xla, moved, moved / t_xla,
+    rows.append((f"{x.shape[0]}x{x.shape[1]}", f"xla ref {label}", t_xla, moved, moved / t_xla,
                  moved / t_xla / copy_bw, 1.0, "-"))
   return _time(kern, (x, key)), moved, ok, bad, base
 
