@@ -28,9 +28,9 @@ for part in "${parts[@]}"; do
         --iters 10 --no-check --out "$OUT/dot.json" 2>&1 | tail -45 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
-      timeout 290 python3 -m train --config configs/llama_125m_wiki.yaml \
+      timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \
         --set "data.sources=[$DATA/wiki/*.xz]" --set "data.tokenizer_path=$DATA/gpt2" \
-        --set run.steps=150 --set run.eval_every=75 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
+        --set run.steps=${STEPS:-300} --set run.eval_every=100 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
         --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" 2>&1 | tail -40 ;;
     *) echo "unknown part $part (tests quantize dot train)"; exit 2 ;;
   esac

@@ -35,11 +35,13 @@ class ModelConfig:
   """A `LlamaConfig.preset(preset, **overrides)`; vocab_size comes from the tokenizer unless overridden.
 
   dtype is the activation/compute dtype of the non-FP4 parts ("bfloat16" on accelerators; "float32" is ~3x
-  faster on CPU, where XLA emulates bf16 dots).
+  faster on CPU, where XLA emulates bf16 dots). scan_layers: compile each run of same-route blocks once
+  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps and more memory (same numbers).
   """
   preset: str = "tiny"
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
   dtype: str = "bfloat16"
+  scan_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

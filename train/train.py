@@ -138,7 +138,8 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
     raise ValueError(f"model.dtype={cfg.model.dtype!r}; valid: {list(DTYPES)}")
 
   def create():
-    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), dtype=DTYPES[cfg.model.dtype])
+    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), dtype=DTYPES[cfg.model.dtype],
+                  scan_layers=cfg.model.scan_layers)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
@@ -206,6 +207,8 @@ class _StepRecorder:
     self.rate = 0.0
     self._window: list[float] = []
     self._t_first: float | None = None
+    self.t_start = time.time()  # before the first step's dispatch (which compiles the step)
+    self.first_step_s: float | None = None
     self._n_timed, self._pause_s = 0, 0.0
 
   @contextlib.contextmanager
@@ -226,6 +229,7 @@ class _StepRecorder:
     now = time.time()
     if self._t_first is None:
       self._t_first, self._pause_s = now, 0.0
+      self.first_step_s = now - self.t_start
     else:
       self._n_timed += 1
       self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
@@ -306,7 +310,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   peak, peak_kind = peak_memory(mesh.devices.flat)
   tail = [rec.losses[s] for s in sorted(rec.losses)[-10:]]
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(tail)) if tail else None,
-         "eval_loss": eval_loss, "tokens_per_s": rec.rate or None, "peak_bytes": peak,
+         "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
+         "first_step_s": rec.first_step_s, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
@@ -340,6 +345,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
       if not compare:
         raise
       rows.append({"route": name, "steps": cfg.run.steps, "status": str(e).split(";")[0].split("] ")[-1]})
+    if compare:  # each route's row as soon as it is done: a run cut short keeps the finished ones
+      log.write(f"[train] done: {metrics.format_table(rows[-1:]).splitlines()[-1]}\n")
   if jax.process_index() == 0:
     table = metrics.format_table(rows)
     with open(os.path.join(cfg.run.out_dir, "table.md"), "w") as f:
