@@ -99,6 +99,7 @@ class ViewSpec:
                transform)
 
   def valid(self) -> bool:
+    """Whether every field is one the kernel implements."""
     return (self.rounding in ROUNDINGS and self.scale_rule in SCALE_RULES and self.transform in (None, *TRANSFORMS)
             and (self.clip_fraction is None or 0 < self.clip_fraction <= 1))
 
