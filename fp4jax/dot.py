@@ -180,11 +180,11 @@ def _mx_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool
 
 
 def _nv_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool):
-  if row.transform or col.transform or row.tile_2d or not quantize_fused_nv.supported(
-      row.fmt, row.rounding, col.rounding, shape=v.shape, dtype=v.dtype):
+  if row.transform or col.transform or not quantize_fused_nv.supported(
+      row.fmt, row.rounding, col.rounding, shape=v.shape, dtype=v.dtype, tile_2d=row.tile_2d):
     return None
   return quantize_fused_nv.quantize_dual_nv(v, row.fmt, row_rounding=row.rounding, col_rounding=col.rounding,
-                                            interpret=interpret, **keys)
+                                            tile_2d=row.tile_2d, interpret=interpret, **keys)
 
 
 # Fused dual-view quantizers by format: (v, row spec, col spec, keys, interpret) -> (row, col) or None.

@@ -2,10 +2,11 @@
 
 Equal bit for bit to `(reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=row_key, ...),
 reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=col_key, ...))` for fmt "nvfp4" (one FP32 outer
-per tensor) and "nvfp4_tile" (one outer per `tile_rows` rows of each K-major view), 1x16 blocks, rounding
-"rne" or "sr" chosen per view (the backward pass of fp4_dot quantizes dY by SR along one axis and RNE along the
-other). The kernel reuses the MXFP4 kernel's layout (`quantize_fused`): x read as uint32 words of two bf16
-neighbours along K, split by row parity, so packing is elementwise and only the column view is transposed.
+per tensor) and "nvfp4_tile" (one outer per `tile_rows` rows of each K-major view), 1x16 blocks or 16x16
+tiles, rounding "rne" or "sr" chosen per view (the backward pass of fp4_dot quantizes dY by SR along one axis
+and RNE along the other). The kernel reuses the MXFP4 kernel's layout (`quantize_fused`): x read as uint32
+words of two bf16 neighbours along K, split by row parity, so packing is elementwise and only the column view
+is transposed.
 
 Two passes over x, with an explicit synchronisation between them:
   1. amax (XLA, `bf16_amax` / `_tile_amaxes`): a block scale needs S_enc, which needs the amax of the whole
@@ -40,6 +41,13 @@ Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x,
 `tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
 come from the one pre-pass; a program then sees one S_enc per view as long as `tile_rows` is a multiple of the
 tile's block_m and block_k (`supported` requires it), handed in as per-program parameter rows.
+
+2-D tiles (`tile_2d`, `reference.quantize(..., tile_2d=True)`): one E4M3 scale per 16x16 tile of x, from the
+tile amax (8 row pairs by 8 column pairs of the loaded words), the same for both views; every row (column) of
+the row (column) view's scales repeats it. Both views use one rounding and the row key: the reference keys SR
+draws by x's flat index whatever the axis, so one draw per element serves both. For "nvfp4" the views then
+share S_enc too and hold the same codes, computed once and packed both ways (as `quantize_fused._tiles_2d`);
+for "nvfp4_tile" each view encodes with its own row-tile S_enc.
 
 Backend: Pallas through the Triton lowering (`pltriton.CompilerParams`), `interpret=True` on CPU (the tests);
 see `quantize_fused` for why not Mosaic GPU. bf16 inputs only.
@@ -81,10 +89,15 @@ _MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 signifi
 
 @dataclasses.dataclass(frozen=True)
 class NvDualConfig:
-  """Static options of one fused NVFP4 launch (hashable: crosses jit as one object)."""
+  """Static options of one fused NVFP4 launch (hashable: crosses jit as one object).
 
+  tile_2d: one scale per 16x16 tile; row_rounding (== col_rounding) and the row seed serve both views.
+  """
+
+  fmt: str = "nvfp4"
   row_rounding: str = "rne"
   col_rounding: str = "rne"
+  tile_2d: bool = False
   tile: QuantTile = QuantTile()
   interpret: bool = False
 
@@ -105,14 +118,18 @@ def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> No
 
 
 def supported(fmt: str, row_rounding: str = "rne", col_rounding: str = "rne", *,
-              shape: tuple[int, ...] | None = None, dtype=None, tile_rows: int = 128, **options) -> bool:
+              shape: tuple[int, ...] | None = None, dtype=None, tile_rows: int = 128, tile_2d: bool = False,
+              **options) -> bool:
   """Whether `quantize_dual_nv` covers this case; callers fall back to `reference.quantize` otherwise.
 
-  Covered: fmt "nvfp4" / "nvfp4_tile" (`tile_rows` a multiple of 32), 1x16 blocks, rounding "rne" / "sr"
-  per view, a bf16 x [M, K] with M and K multiples of 32. Not covered: 2-D tiles, 4/6, MS-EDEN, transforms or
-  any other reference option set (`options` left at None / False, e.g. tile_2d=False, are accepted).
+  Covered: fmt "nvfp4" / "nvfp4_tile" (`tile_rows` a multiple of 32), 1x16 blocks or 16x16 tiles (`tile_2d`,
+  with one rounding for both views), rounding "rne" / "sr" per view, a bf16 x [M, K] with M and K multiples
+  of 32. Not covered: 4/6, MS-EDEN, transforms or any other reference option set (`options` left at
+  None / False, e.g. scale_rule=None, are accepted).
   """
   if fmt not in FORMATS or row_rounding not in ROUNDINGS or col_rounding not in ROUNDINGS:
+    return False
+  if tile_2d and row_rounding != col_rounding:
     return False
   if any(v is not None and v is not False for v in options.values()):
     return False
@@ -202,6 +219,25 @@ def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
   return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2_neg_e, _F32_MAX))
 
 
+def _unit_scale(amax: jax.Array, p_ref):
+  """(ok, E4M3 scale byte, enc_b) of scale units with int32 amax bits `amax`; p_ref: the parameter row.
+
+  ok is False for a non-finite unit or a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes.
+  """
+  g = p_ref[0, 0]
+  ok = (amax < _F32_INF) & (g == g)
+  t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
+  byte, sf = _e4m3_rn(t)
+  return ok, jnp.where(ok, byte, _E4M3_NAN), _block_encode(sf, p_ref)
+
+
+def _codes(a, sign, r24, enc, blocks: tuple[int, ...], rounding: str) -> jax.Array:
+  """int32 E2M1 codes (sign in bit 3) of elements with |x| bits `a` [h, w] under unit encoders `enc`."""
+  mag = jnp.minimum(jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * enc, E2M1_MAX)
+  encode = quantize_fused.ENCODERS[rounding]
+  return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
+
+
 def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
           rounding: str):
   """Packed codes [h, w] and E4M3 scale bytes of one view of two element sets sharing their blocks.
@@ -210,20 +246,32 @@ def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, i
   `blocks` reshapes [h, w] so that `axis` runs along a block of 16; p_ref: this program's parameter row.
   """
   amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
-  g = p_ref[0, 0]
-  ok = (amax < _F32_INF) & (g == g)  # a non-finite block, or a NaN S_enc: NaN scale, zero codes
-  t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
-  byte, sf = _e4m3_rn(t)
-  enc = _block_encode(sf, p_ref)
-
-  def codes(a, sign, r24):
-    mag = jnp.minimum(jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * enc, E2M1_MAX)
-    encode = quantize_fused.ENCODERS[rounding]
-    return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
-
-  packed = jnp.where(ok, codes(abs_lo, sign_lo, r24_lo) | (codes(abs_hi, sign_hi, r24_hi) << 4), 0)
-  scale = jnp.where(ok, byte, _E4M3_NAN)
+  ok, scale, enc = _unit_scale(amax, p_ref)
+  packed = (_codes(abs_lo, sign_lo, r24_lo, enc, blocks, rounding) |
+            (_codes(abs_hi, sign_hi, r24_hi, enc, blocks, rounding) << 4))
+  packed = jnp.where(ok, packed, 0)
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+
+
+def _tile_codes(mag, sign, r24, amax, p_ref, rounding: str, tiles: tuple[int, int, int, int]):
+  """One view under one scale per 16x16 tile: (codes per element set, [h/8, 8, w/8, 8], zero in non-finite
+  tiles; scale bytes [h/8, 1, w/8, 1]). amax: int32 tile amax bits [h/8, 1, w/8, 1]."""
+  ok, scale, enc = _unit_scale(amax, p_ref)
+  codes = {pq: jnp.where(ok, _codes(mag[pq], sign[pq], r24[pq], enc, tiles, rounding), 0) for pq in mag}
+  return codes, scale
+
+
+def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> None:
+  """Packs `_tile_codes` results both ways: row parity p packs columns (2j, 2j+1), column parity q rows
+  (2i, 2i+1), transposed; every row (column) of a tile repeats the tile's scale, as in the reference."""
+  (rcodes, rscale), (ccodes, cscale) = row, col
+  rscale = jnp.broadcast_to(rscale, (h // 8, 8, w // 8, 1)).reshape(h, w // 8).astype(jnp.uint8)
+  cscale = jnp.broadcast_to(cscale, (h // 8, 1, w // 8, 8)).reshape(h // 8, w).T.astype(jnp.uint8)
+  for p in range(2):
+    rc_ref[:, p, :] = (rcodes[p, 0] | (rcodes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8)  # [h, w]
+    rs_ref[:, p, :] = rscale  # [h, w/8]
+    cc_ref[:, p, :] = (ccodes[0, p] | (ccodes[1, p] << 4)).reshape(h, w).T.astype(jnp.uint8)  # [w, h]
+    cs_ref[:, p, :] = cscale  # [w, h/8]
 
 
 def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
@@ -248,6 +296,15 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     return quantize_fused.random_bits(seed_ref, view, index) if rounding == "sr" else dict.fromkeys(bits)
 
   r24 = random_bits(0, cfg.row_rounding)
+  if cfg.tile_2d:  # one scale per 16x16 tile: 8 row pairs x 8 column pairs; both views draw the row seed's bits
+    tiles = (h // 8, 8, w // 8, 8)  # (tile row, row pair, tile column, column pair)
+    amax = functools.reduce(jnp.maximum, mag.values()).reshape(tiles)
+    amax = jnp.max(jnp.max(amax, axis=3, keepdims=True), axis=1, keepdims=True)  # [h/8, 1, w/8, 1]
+    row = _tile_codes(mag, sign, r24, amax, prow_ref, cfg.row_rounding, tiles)
+    # "nvfp4": one S_enc for both views, so one set of codes; "nvfp4_tile": each view's own S_enc.
+    col = row if cfg.fmt == "nvfp4" else _tile_codes(mag, sign, r24, amax, pcol_ref, cfg.row_rounding, tiles)
+    _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h, w)
+    return
   for p in range(2):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
     codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
                           (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
@@ -309,18 +366,22 @@ def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
 
 def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "rne", col_rounding: str = "rne",
                      row_key: jax.Array | None = None, col_key: jax.Array | None = None,
-                     tensor_amax: jax.Array | None = None, tile_rows: int = 128, tile: QuantTile | None = None,
-                     interpret: bool = False) -> tuple[QTensor, QTensor]:
+                     tensor_amax: jax.Array | None = None, tile_rows: int = 128, tile_2d: bool = False,
+                     tile: QuantTile | None = None, interpret: bool = False) -> tuple[QTensor, QTensor]:
   """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
 
   Equal bit for bit to `reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=row_key,
-  tensor_amax=tensor_amax, tile_rows=tile_rows)` and the same with axis=0, col_rounding, col_key.
+  tensor_amax=tensor_amax, tile_rows=tile_rows, tile_2d=tile_2d)` and the same with axis=0, col_rounding,
+  col_key. `tile_2d`: one E4M3 scale per 16x16 tile; both views must use one rounding and one key (col_key
+  None or the row_key object), so for "nvfp4" they hold the same codes, computed once.
   `tensor_amax` ("nvfp4" only): a precomputed amax; else `bf16_amax(x)` runs first (one XLA reduction).
   `interpret=True` runs the kernel in Pallas interpret mode (CPU).
   """
-  if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows):
+  if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows, tile_2d=tile_2d):
     raise ValueError(f"quantize_dual_nv does not cover {fmt=}, {row_rounding=}, {col_rounding=}, {x.dtype=}, "
-                     f"{tile_rows=}; check `supported(...)` and fall back to reference.quantize")
+                     f"{tile_rows=}, {tile_2d=}; check `supported(...)` and fall back to reference.quantize")
+  if tile_2d and col_key is not None and col_key is not row_key:
+    raise ValueError("tile_2d: both views draw the row view's SR bits; pass col_key=None or the row_key object")
   if x.ndim != 2:
     raise ValueError(f"quantize_dual_nv takes a 2-D x, got {x.shape=}")
   if tensor_amax is not None and fmt != "nvfp4":
@@ -329,6 +390,8 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   rounding = "sr" if "sr" in (row_rounding, col_rounding) else "rne"
   tile = tile or _pick_tile(m, k, fmt, rounding, tile_rows)
   _check_tile(tile, m, k, fmt, tile_rows)
+  if tile_2d:
+    col_key = row_key
   seeds = jnp.concatenate([_seeds(row_rounding, row_key, "row"), _seeds(col_rounding, col_key, "col")])
   if fmt == "nvfp4":
     amax = bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
@@ -340,7 +403,8 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   if fmt == "nvfp4":  # one parameter row serves every program
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
-  cfg = NvDualConfig(row_rounding=row_rounding, col_rounding=col_rounding, tile=tile, interpret=interpret)
+  cfg = NvDualConfig(fmt=fmt, row_rounding=row_rounding, col_rounding=col_rounding, tile_2d=bool(tile_2d),
+                     tile=tile, interpret=interpret)
   rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
   e4m3 = jnp.float8_e4m3fn
   row = QTensor(rc, jax.lax.bitcast_convert_type(rs, e4m3), row_outer, fmt=fmt, axis=1, shape=(m, k))

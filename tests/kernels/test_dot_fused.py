@@ -71,7 +71,7 @@ def test_fused_quantizer_is_used_and_shared_between_views(monkeypatch):
 LAUNCHES = {
     "mxfp4": 3,  # X (fprop + wgrad), W (32x32 tiles), dY (SR dgrad + RNE wgrad)
     "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
-    "nvfp4": 2,  # X's and dY's un-transformed views only (RHT16 wgrad views and 16x16 W tiles: XLA reference)
+    "nvfp4": 3,  # X's and dY's un-transformed views (RHT16 wgrad views: XLA reference), W's 16x16 tiles
     "quartet2": 0,  # 4/6 and MS-EDEN: XLA reference
 }
 

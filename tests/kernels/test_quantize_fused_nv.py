@@ -107,6 +107,47 @@ def test_tile_local_ragged_last_tiles():
   _assert_same(col, reference.quantize(_bf16(x), "nvfp4_tile", axis=0, tile_rows=TILE_ROWS))
 
 
+def _check_2d(x, fmt="nvfp4", rounding="rne", *, seed=0, tensor_amax=None):
+  """tile_2d: both views against the reference with one rounding and one key; "nvfp4" views hold equal values."""
+  key = jax.random.key(seed)
+  opts = dict(tile_rows=TILE_ROWS) if fmt == "nvfp4_tile" else dict(tensor_amax=tensor_amax)
+  row, col = qnv.quantize_dual_nv(x, fmt, row_rounding=rounding, col_rounding=rounding, row_key=key,
+                                  col_key=key, tile_2d=True, tile=TILE, interpret=True, **opts)
+  for got, axis in ((row, -1), (col, 0)):
+    _assert_same(got, reference.quantize(x, fmt, axis=axis, rounding=rounding, key=key, tile_2d=True, **opts))
+  if fmt == "nvfp4":  # one scale per tile and one S_enc: the same codes in both layouts
+    dq_row, dq_col = (np.asarray(reference.dequantize(q)) for q in (row, col))
+    np.testing.assert_array_equal(dq_row.view(np.uint32), dq_col.view(np.uint32))
+  return row, col
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+@pytest.mark.parametrize("kind", sorted(INPUTS))
+def test_tile_2d_matches_reference(kind, rounding):
+  rng = np.random.default_rng(zlib.crc32(f"2d/{kind}/{rounding}".encode()))
+  _check_2d(_bf16(INPUTS[kind](rng)), "nvfp4", rounding, seed=int(rng.integers(1 << 30)))
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_tile_2d_tile_local_matches_reference(rounding):
+  """"nvfp4_tile" with 2-D tiles: one tile scale, each view under its own row-tile S_enc (different codes)."""
+  rng = np.random.default_rng(zlib.crc32(f"2d/tile/{rounding}".encode()))
+  x = _heavy(rng) * np.exp2(rng.integers(-40, 1, (1, SHAPE[1]))).astype(np.float32)
+  row, col = _check_2d(_bf16(x), "nvfp4_tile", rounding, seed=int(rng.integers(1 << 30)))
+  assert not np.array_equal(np.asarray(reference.dequantize(row)), np.asarray(reference.dequantize(col)))
+
+
+@pytest.mark.parametrize("amax", [None, 4.0])
+def test_tile_2d_nonfinite(amax):
+  """NaN / Inf: with the computed amax everything is NaN; with a given one only the tiles holding them."""
+  x = _nonfinite(np.random.default_rng(16))
+  x[32:48, 0:16] = 0.0  # a zero tile
+  row, _ = _check_2d(_bf16(x), "nvfp4", "sr", seed=17, tensor_amax=None if amax is None else jnp.float32(amax))
+  nan_tiles = np.asarray(row.scales).view(np.uint8).reshape(4, 16, 8).max(axis=1) == 0x7F  # [M/16, K/16]
+  assert nan_tiles.sum() == (nan_tiles.size if amax is None else 2)  # [0:16, 16:32] and [32:48, 80:96]
+  _check_2d(_bf16(x), "nvfp4_tile", "rne")
+
+
 def test_sr_views_differ_by_key():
   """Row SR and column SR draw from their own keys: the same key on both would give other column codes."""
   x = _bf16(_normal(np.random.default_rng(5)))
@@ -187,8 +228,8 @@ def test_one_named_kernel_in_lowering():
   assert qnv.KERNEL_NAME in fn.lower(x).as_text(debug_info=True)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_tile"])
-def test_triton_lowering_has_no_float_division(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,tile_2d", [("nvfp4", False), ("nvfp4_tile", False), ("nvfp4", True)])
+def test_triton_lowering_has_no_float_division(fmt, tile_2d, monkeypatch):
   """The Triton IR (lowered on CPU for an abstract H200) has no float division: Triton's would be approximate."""
   from jax._src.pallas.triton import pallas_call_registration as registration
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
@@ -202,7 +243,9 @@ def test_triton_lowering_has_no_float_division(fmt, monkeypatch):
 
   monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", spy)
   mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-  fn = jax.jit(lambda x: qnv.quantize_dual_nv(x, fmt, row_rounding="sr", row_key=jax.random.key(0)))
+  col_rounding = "sr" if tile_2d else "rne"
+  fn = jax.jit(lambda x: qnv.quantize_dual_nv(x, fmt, row_rounding="sr", col_rounding=col_rounding,
+                                              row_key=jax.random.key(0), tile_2d=tile_2d))
   with use_abstract_mesh(mesh):
     fn.trace(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
   assert len(modules) == 1 and "tt.load" in modules[0]
@@ -215,7 +258,9 @@ def test_supported():
   for fmt in ("mxfp4", "nvfp4_46"):
     assert not qnv.supported(fmt, "rne", "rne")
   assert not qnv.supported("nvfp4", "eden", "rne")
-  assert not qnv.supported("nvfp4", "rne", "rne", tile_2d=True)
+  assert qnv.supported("nvfp4", "sr", "sr", tile_2d=True, shape=(64, 128), dtype=jnp.bfloat16)
+  assert qnv.supported("nvfp4_tile", "rne", "rne", tile_2d=True, tile_rows=64)
+  assert not qnv.supported("nvfp4", "sr", "rne", tile_2d=True)
   assert not qnv.supported("nvfp4", "rne", "rne", transform="rht16")
   assert qnv.supported("nvfp4", "rne", "rne", tile_2d=False, scale_rule=None)
   assert not qnv.supported("nvfp4", "rne", "rne", dtype=jnp.float32)
@@ -240,6 +285,11 @@ def test_errors():
     qnv.quantize_dual_nv(x, col_rounding="sr", row_key=jax.random.key(0), interpret=True)
   with pytest.raises(ValueError, match="tensor_amax applies"):
     qnv.quantize_dual_nv(x, "nvfp4_tile", tensor_amax=jnp.float32(1.0), interpret=True)
+  with pytest.raises(ValueError, match="does not cover"):
+    qnv.quantize_dual_nv(x, row_rounding="sr", row_key=jax.random.key(0), tile_2d=True, interpret=True)
+  with pytest.raises(ValueError, match="col_key=None or the row_key"):
+    qnv.quantize_dual_nv(x, row_rounding="sr", col_rounding="sr", row_key=jax.random.key(0),
+                         col_key=jax.random.key(1), tile_2d=True, interpret=True)
   with pytest.raises(ValueError, match="tile_rows=32 to be a multiple"):
     qnv.quantize_dual_nv(x, "nvfp4_tile", tile_rows=32, tile=TILE, interpret=True)
 
@@ -262,3 +312,15 @@ def test_gpu_matches_reference(fmt, row_rounding, col_rounding):
                                   col_key=kc)
   _assert_same(row, reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=kr))
   _assert_same(col, reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=kc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4_tile"])
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_tile_2d_matches_reference(fmt, rounding):
+  """The compiled Triton kernel with 16x16 tiles (default tile) on special blocks tiled over a larger array."""
+  x = _bf16(np.tile(_special_blocks(np.random.default_rng(18)), (16, 8)))  # [1024, 1024]
+  key = jax.random.key(19)
+  row, col = qnv.quantize_dual_nv(x, fmt, row_rounding=rounding, col_rounding=rounding, row_key=key, tile_2d=True)
+  for got, axis in ((row, -1), (col, 0)):
+    _assert_same(got, reference.quantize(x, fmt, axis=axis, rounding=rounding, key=key, tile_2d=True))
