@@ -2,6 +2,7 @@
 # The H200 measurements in docs/BENCHMARKS.md, in one GPU session (run from the repo root on the GPU machine,
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
+# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.fused_nvfp4=true --set run.routes=[nvfp4_tile_local]")
 # parts: tests quantize dot compile train (default: all but compile). Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests compile the Hadamard kernel (~50 s per instance), the
 # train part compiles each route before its steps. Run the parts that fit in separate calls.
@@ -41,7 +42,8 @@ for part in "${parts[@]}"; do
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \
         --set "data.sources=[$DATA/wiki/*.xz]" --set "data.tokenizer_path=$DATA/gpt2" \
         --set run.steps=${STEPS:-300} --set run.eval_every=100 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
-        --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" 2>&1 | tail -40 ;;
+        --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
+        | tail -40 ;;
     *) echo "unknown part $part (tests quantize dot compile train)"; exit 2 ;;
   esac
 done

@@ -107,6 +107,15 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Opt-in fused quantizer paths on GPUs (`fp4jax.dot.FUSED_NVFP4_ON_GPU`, `FUSED_HADAMARD_ON_GPU`): the
+  NVFP4 kernel (verified in interpret mode only so far) and MXFP4's fused H16/H32 wgrad view (~50 s to compile
+  per shape on an H200)."""
+  fused_nvfp4: bool = False
+  fused_hadamard: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
   route: str = "bf16"
@@ -114,6 +123,7 @@ class Config:
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   run: RunConfig = RunConfig()
+  kernels: KernelConfig = KernelConfig()
 
 
 def _convert(value: Any, tp: Any, where: str) -> Any:

@@ -319,6 +319,18 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   return {**row, "losses": rec.losses}
 
 
+@contextlib.contextmanager
+def fused_paths(kernels: config_lib.KernelConfig):
+  """`kernels`' opt-in fused quantizer paths switched on in fp4jax.dot while inside (read when a step traces)."""
+  from fp4jax import dot  # pylint: disable=g-import-not-at-top
+  saved = dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU
+  dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU = kernels.fused_nvfp4, kernels.fused_hadamard
+  try:
+    yield
+  finally:
+    dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU = saved
+
+
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   """One run per route of `run.routes` (compare mode, out_dir/<route>/) or of `route`; shared data.
 
@@ -339,7 +351,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
     sub = config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)} if compare
                              else {})
     try:
-      rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
+      with fused_paths(cfg.kernels):
+        rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
     except NonFiniteLossError as e:
       log.write(f"{e}\n")
       if not compare:
