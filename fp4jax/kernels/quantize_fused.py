@@ -27,12 +27,12 @@ integer and bit arithmetic with few operations per element (no float4 casts, no 
     midpoint comparisons and its u < (|v| - lo) / (hi - lo) test.
 bf16 inputs only (`supported`); other dtypes fall back to the reference.
 
-With a column transform the column view reads the tile once more, as 32 row slices [bm/32, bk/2] (row
-32a + 2t + p of the tile in slice (t, p); a second read of the same tile, mostly from cache), so the Hadamard
-butterfly along M and the column blocks' amax are elementwise across slices; the column view's bytes for row
-pair t are stored at stride 16. Bit-exact on an H200, but slow to compile there: ~50 s per instance when the
-row view was also built from the 32 slices, and no faster in the one run since the row view moved back to the
-two-load layout (fp4_dot therefore uses it on GPUs only when opted in).
+With a column transform (`_hadamard_pairs`) the column view runs the Hadamard butterfly on the loaded tile:
+the stage at distance 1 between the two row parities, each further stage on row pairs i and i + d of the tile
+viewed as [h / 2d, 2, d * w], the pair picked by exact integer sums (Triton tensors cannot be sliced). An
+earlier version that split the tile into 32 row slices was as exact, but its 32 loads and 32 strided stores
+made Triton's coalescing pass take ~50 s per compile (on the H200; 51 s with Triton 3.5.1 on CPU,
+`scripts/triton_compile_time.py`), where this one takes 2.3-2.5 s. Its GPU speed is not yet measured.
 
 Backend: Pallas on GPU through the Triton lowering (`pallas_call`'s default on CUDA in JAX 0.11.2, chosen
 explicitly with `CompilerParams`). The kernel needs per-block reductions along the minor axis ([h, w] ->
@@ -299,13 +299,9 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along
   K (the even one in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
   reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
-  column scales [bk/2, 2, bm/32]. With a column transform, x is also read as row slices (`xs_ref`) and the
-  column view takes `_transform_columns`' layout.
+  column scales [bk/2, 2, bm/32].
   """
-  refs = list(refs)
-  seed_ref = refs.pop(0) if cfg.needs_seeds else None
-  xs_ref = refs.pop(1) if cfg.col.transform else None
-  x_ref, rc_ref, rs_ref, cc_ref, cs_ref = refs
+  seed_ref, (x_ref, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_seeds else (None, refs)
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   # x[2i + p, 2j + q] as float32 bits: p = row parity (which load), q = column parity (which half).
   words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
@@ -328,12 +324,15 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
                           (h, w // 16, 16), 2, cfg.row)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/16]
-  if cfg.col.transform:
-    _transform_columns(seed_ref, xs_ref, cc_ref, cs_ref, cfg, k)
-    return
   col_r24 = dict.fromkeys(bits)
   if cfg.col.rounding == "sr":
     col_r24 = row_r24 if cfg.shared_bits else random_bits(seed_ref, 1, index)
+  if cfg.col.transform:
+    for q in range(2):
+      codes, scales = _transform_view(bits[0, q], bits[1, q], col_r24[0, q], col_r24[1, q], cfg.col)
+      cc_ref[:, q, :] = codes.T  # [w, h]
+      cs_ref[:, q, :] = scales.T  # [w, h / 16]
+    return
   # Column view (blocks of 32 along M = 16 row pairs): column parity q packs rows (2i, 2i + 1), transposed.
   for q in range(2):
     codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], col_r24[0, q], col_r24[1, q],
@@ -342,92 +341,75 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
     cs_ref[:, q, :] = scales.T  # [w, h / 16]
 
 
-@dataclasses.dataclass(frozen=True)
-class _SliceIndex:
-  """Positions in x of the tile's element sets x[32a + 2t + p, 2j + q], (t, p, q) in `keys`, uint32 [g, w]."""
-
-  keys: tuple
-  g: int
-  w: int
-  k: int
-
-  def __call__(self, tpq) -> tuple[jax.Array, jax.Array]:
-    t, p, q = tpq
-    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.g, self.w), 0) * 32 + \
-        (pl.program_id(0) * 32 * self.g + 2 * t + p).astype(jnp.uint32)
-    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.g, self.w), 1) * 2 + \
-        (pl.program_id(1) * 2 * self.w + q).astype(jnp.uint32)
-    return rows, cols
+# Rows (of 32) whose fixed Hadamard sign is -1: D16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1),
+# repeated, as a bitmask over r % 16.
+_D16_NEGATIVE = sum(1 << r for r, d in enumerate(hadamard.D16) if d < 0)
 
 
-def _hadamard_rows(vals: list[jax.Array], transform: str) -> list[jax.Array]:
-  """`fp4jax.hadamard.hadamard(., transform, axis=0)` of 32 consecutive rows given as 32 float32 arrays.
+def _pick(a: jax.Array, which: int) -> jax.Array:
+  """a[:, which, :] of an int32 [A, 2, B] as an exact integer sum (Triton tensors cannot be sliced)."""
+  sel = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1) == which
+  return jnp.sum(jnp.where(sel, a, 0), axis=1)
 
-  The same float32 operations in the same order: signs (exact negations), the `hadamard.fwht` butterfly
-  within each block of n rows, then the 1/sqrt(n) scale.
+
+def _f32(b: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _i32(v: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(v, jnp.int32)
+
+
+def _hadamard_pairs(even: jax.Array, odd: jax.Array, transform: str) -> tuple[jax.Array, jax.Array]:
+  """`hadamard.hadamard(., transform, axis=0)` of rows 2i (`even`) and 2i + 1 (`odd`), float32 bits [h, w].
+
+  The same float32 operations in the same order as `hadamard.fwht`: signs (exact sign flips), the stage at
+  distance 1 between the parities, then each stage at distance 2, 4, ... on row pairs i and i + d (viewed as
+  [h / 2d, 2, d * w], the pair picked by exact integer sums), then the 1/sqrt(n) scale. Returns the
+  transformed even and odd rows as float32 bits.
   """
   n = hadamard.KINDS[transform].n
-  vals = [-v if hadamard.D16[r % 16] < 0 else v for r, v in enumerate(vals)]
-  s = 1
-  while s < n:
-    for r in range(len(vals)):
-      if not r & s:
-        vals[r], vals[r + s] = vals[r] + vals[r + s], vals[r] - vals[r + s]
-    s *= 2
-  scale = jnp.float32(1 / math.sqrt(n))
-  return [v * scale for v in vals]
+  h, w = even.shape
+  r = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * 2 % 16  # r % 16 of row 2i
+  even = even ^ (((_D16_NEGATIVE >> r) & 1) << 31)
+  odd = odd ^ (((_D16_NEGATIVE >> (r + 1)) & 1) << 31)
+  even, odd = _i32(_f32(even) + _f32(odd)), _i32(_f32(even) - _f32(odd))
+  out = []
+  for y in (even, odd):
+    d = 1
+    while 2 * d < n:
+      pairs = y.reshape(h // (2 * d), 2, d * w)
+      lo, hi = _f32(_pick(pairs, 0)), _f32(_pick(pairs, 1))
+      first = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 1) == 0
+      y = jnp.where(first, _i32(lo + hi)[:, None, :], _i32(lo - hi)[:, None, :]).reshape(h, w)
+      d *= 2
+    out.append(_i32(_f32(y) * jnp.float32(1 / math.sqrt(n))))
+  return out[0], out[1]
 
 
-def _transform_columns(seed_ref, xs_ref, cc_ref, cs_ref, cfg: DualConfig, k: int) -> None:
-  """The Hadamard-transformed column view of one tile read as 32 row slices.
-
-  xs_ref: uint32 [bm/32, 16, 2, bk/2] (row block a, row pair t, row parity p, column pair j): row 32a + 2t + p.
-  Outputs: column codes [bk/2, 2, bm/32, 16] (column pair j, column parity q, row block a, row pair t) and
-  column scales [bk/2, 2, bm/32], free reshapes of the QTensor layouts.
-  """
-  g, _, _, w = xs_ref.shape
-  bits = {}
-  for t in range(16):
-    for p in range(2):
-      word = jax.lax.bitcast_convert_type(xs_ref[:, t, p, :], jnp.int32)  # [g, w]
-      bits[t, p, 0], bits[t, p, 1] = word << 16, word & -65536
-  r24 = dict.fromkeys(bits)
-  if cfg.col.rounding == "sr":
-    r24 = random_bits(seed_ref, 0 if cfg.shared_bits else 1, _SliceIndex(tuple(bits), g, w, k))
-  encode = ENCODERS[cfg.col.rounding]
-  for q in range(2):
-    vals = [jax.lax.bitcast_convert_type(bits[r // 2, r % 2, q], jnp.float32) for r in range(32)]
-    ybits = [jax.lax.bitcast_convert_type(v, jnp.int32) for v in _hadamard_rows(vals, cfg.col.transform)]
-    ymag = [b & _F32_ABS for b in ybits]
-    finite, mul, scale = _block_scale(functools.reduce(jnp.maximum, ymag), cfg.col)  # [g, w] each
-    codes = [encode(jax.lax.bitcast_convert_type(ymag[r], jnp.float32) * mul, r24[r // 2, r % 2, q]) |
-             ((ybits[r] >> 28) & 8) for r in range(32)]
-    for t in range(16):
-      packed = jnp.where(finite, codes[2 * t] | (codes[2 * t + 1] << 4), 0).astype(jnp.uint8)
-      cc_ref[:, q, :, t] = packed.T  # [w, g]
-    cs_ref[:, q, :] = scale.astype(jnp.uint8).T  # [w, g]
+def _transform_view(even, odd, r24_even, r24_odd, cfg: ViewSpec):
+  """Packed codes [h, w] and scale bytes [h/16, w] of the Hadamard-transformed column view of one column
+  parity: `even`, `odd` are the float32 bits [h, w] of rows 2i and 2i + 1."""
+  h, w = even.shape
+  even, odd = _hadamard_pairs(even, odd, cfg.transform)
+  return _view(even & _F32_ABS, odd & _F32_ABS, (even >> 28) & 8, (odd >> 28) & 8, r24_even, r24_odd,
+               (h // 16, 16, w), 1, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
   m, k = x.shape
   t = cfg.tile
-  h, w, g = t.block_m // 2, t.block_k // 2, t.block_m // 32
+  h, w = t.block_m // 2, t.block_k // 2
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
   in_specs = [pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j))]
   args = [xw]
-  # (output shape, block, index map): row codes, row scales, column codes, column scales. Every output is a
-  # free reshape of its QTensor array.
+  # (output shape, block, index map): row codes, row scales, column codes, column scales; each a free reshape
+  # of its QTensor array.
   outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
-          ((m // 2, 2, k // 32), (h, 2, w // 16), lambda i, j: (i, 0, j))]
-  if cfg.col.transform:  # x once more as row slices [M/32, 16, 2, K/2] (row 32a + 2t + p), free
-    in_specs.append(pl.BlockSpec((g, 16, 2, w), lambda i, j: (i, 0, 0, j)))
-    args.append(xw.reshape(m // 32, 16, 2, k // 2))
-    outs += [((k // 2, 2, m // 32, 16), (w, 2, g, 16), lambda i, j: (j, 0, i, 0)),
-             ((k // 2, 2, m // 32), (w, 2, g), lambda i, j: (j, 0, i))]
-  else:
-    outs += [((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
-             ((k // 2, 2, m // 32), (w, 2, h // 16), lambda i, j: (j, 0, i))]
+          ((m // 2, 2, k // 32), (h, 2, w // 16), lambda i, j: (i, 0, j)),
+          ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
+          ((k // 2, 2, m // 32), (w, 2, h // 16), lambda i, j: (j, 0, i))]
   if cfg.needs_seeds:
     in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
     args.insert(0, seeds)

@@ -214,3 +214,18 @@ def test_gpu_views_match_reference(kind, row, col):
   got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key)
   for g, w in zip(got, _views_reference(x, row, col, row_key, col_key)):
     _assert_same(g, w)
+
+
+def test_triton_compile_time_script_lowers_every_kernel(capsys):
+  """scripts/triton_compile_time.py: each listed kernel lowers to one Triton module (IR sizes without the
+  `triton` package; compile times with it)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parents[2] / "scripts" / "triton_compile_time.py"
+  spec = importlib.util.spec_from_file_location("triton_compile_time", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  ir = script.triton_ir(script.KERNELS["mx X rne|rne+h32"], (256, 256))
+  x_loads = [l for l in ir.splitlines() if "tt.load" in l and "ptr<i32>" in l]
+  assert len(x_loads) == 2 and ir.count("tt.store") == 8  # x once (per row parity), 4 outputs x 2 parities
+  assert "divf" not in ir  # no float division (Triton's is approximate)
