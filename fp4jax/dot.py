@@ -219,10 +219,11 @@ def _rounding_key(spec: OperandSpec, key: jax.Array, role: str) -> jax.Array | N
 # Where the fused Pallas quantizers replace `reference.quantize` (same bits): "gpu" (on a GPU backend, the
 # default), "interpret" (everywhere, in Pallas interpret mode: tests), or "off".
 FUSED_QUANTIZER = "gpu"
-# Opt-in paths of the "gpu" mode ("interpret" uses every path). The NVFP4 kernel (`quantize_fused_nv`) has
-# run only in interpret mode so far. The MXFP4 kernel's Hadamard column view is bitwise right on an H200 and
-# makes mxfp4_h32's forward+backward 1.24x faster at 16384x4096->14336, but took ~100 s to compile there
-# (two instances, X's and dY's) against ~2 s without it (docs/BENCHMARKS.md).
+# Opt-in paths of the "gpu" mode ("interpret" uses every path), until measured on a GPU in their current
+# form (docs/BENCHMARKS.md). The NVFP4 kernel (`quantize_fused_nv`) ran in fp4_dot on an H200 but has been
+# checked bit for bit only in interpret mode. The MXFP4 kernel's Hadamard column view, in an earlier form, was
+# bitwise right on an H200 and made mxfp4_h32's forward+backward 1.24x faster at 16384x4096->14336, but took
+# ~50 s per instance to compile; its current form compiles ~20x faster (Triton on CPU) and is unmeasured there.
 FUSED_NVFP4_ON_GPU = False
 FUSED_HADAMARD_ON_GPU = False
 

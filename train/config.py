@@ -109,8 +109,7 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Opt-in fused quantizer paths on GPUs (`fp4jax.dot.FUSED_NVFP4_ON_GPU`, `FUSED_HADAMARD_ON_GPU`): the
-  NVFP4 kernel (verified in interpret mode only so far) and MXFP4's fused H16/H32 wgrad view (~50 s to compile
-  per shape on an H200)."""
+  NVFP4 kernel and MXFP4's fused H16/H32 wgrad view, not yet checked on a GPU in their current form."""
   fused_nvfp4: bool = False
   fused_hadamard: bool = False
 
