@@ -74,6 +74,16 @@ def hadamard_signs(kind: str, key: jax.Array | None = None) -> jax.Array:
   return jnp.where((bits >> 31) == 1, jnp.float32(-1.0), jnp.float32(1.0))
 
 
+def negative_mask(kind: str, key: jax.Array | None = None) -> jax.Array:
+  """int32 bitmask of `kind`'s -1 signs (bit r set iff sign r is -1), n <= 32: how kernels take the signs."""
+  signs = hadamard_signs(kind, key)
+  n = signs.shape[0]
+  if n > 32:
+    raise ValueError(f"negative_mask covers Hadamard sizes up to 32, got {kind=} ({n=})")
+  bits = jnp.where(signs < 0, jnp.uint32(1) << jnp.arange(n, dtype=jnp.uint32), jnp.uint32(0))
+  return jax.lax.bitcast_convert_type(jnp.sum(bits, dtype=jnp.uint32), jnp.int32)
+
+
 def hadamard_matrix(kind: str, key: jax.Array | None = None, *, normalized: bool = True) -> jax.Array:
   """[n, n] float32 matrix M of `kind` (y = M x per block): H_n · diag(signs), times 1/sqrt(n) if `normalized`.
 

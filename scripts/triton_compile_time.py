@@ -34,6 +34,9 @@ KERNELS = {
     "mx w32x32": lambda x: qf.quantize_dual(x, tile_2d=True, scale_rule="noclip", clip_fraction=0.87),
     "nv rne|rne": lambda x: qnv.quantize_dual_nv(x, "nvfp4"),
     "nv 16x16": lambda x: qnv.quantize_dual_nv(x, "nvfp4", tile_2d=True),
+    "nv dY sr|sr+rht16": lambda x: qnv.quantize_dual_nv(x, "nvfp4", row_rounding="sr", col_rounding="sr",
+                                                        row_key=KEY, col_key=KEY, col_transform="rht16",
+                                                        transform_key=KEY),
 }
 
 
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--num-warps", type=int, default=4)
   args = parser.parse_args(argv)
   shape = tuple(int(d) for d in args.shape.split("x"))
+  os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
   try:
     import triton  # pylint: disable=g-import-not-at-top
     from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top

@@ -7,7 +7,7 @@ import numpy_ref  # tests/numpy_ref.py
 import pytest
 
 from fp4jax import prng
-from fp4jax.hadamard import D16, KINDS, fwht, hadamard, hadamard_matrix, hadamard_signs
+from fp4jax.hadamard import D16, KINDS, fwht, hadamard, hadamard_matrix, hadamard_signs, negative_mask
 
 KEY = jax.random.key(11)
 
@@ -99,3 +99,16 @@ def test_fwht_order_is_pinned(n):
   np.testing.assert_array_equal(np.asarray(fwht(jnp.asarray(x))), _fwht_recursive(x))
   np.testing.assert_allclose(np.asarray(fwht(jnp.asarray(x)), np.float64), x.astype(np.float64) @ _sylvester(n).T,
                              rtol=1e-5, atol=1e-5 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("kind", ["h16", "h32", "rht16", "rht32"])
+def test_negative_mask_marks_the_minus_signs(kind):
+  signs = np.asarray(hadamard_signs(kind, KEY))
+  mask = int(negative_mask(kind, KEY)) & 0xFFFFFFFF
+  assert [(mask >> r) & 1 for r in range(len(signs))] == [int(s < 0) for s in signs]
+  assert mask >> len(signs) == 0
+
+
+def test_negative_mask_size_limit():
+  with pytest.raises(ValueError, match="up to 32"):
+    negative_mask("rht128", KEY)

@@ -27,7 +27,7 @@ integer and bit arithmetic with few operations per element (no float4 casts, no 
     midpoint comparisons and its u < (|v| - lo) / (hi - lo) test.
 bf16 inputs only (`supported`); other dtypes fall back to the reference.
 
-With a column transform (`_hadamard_pairs`) the column view runs the Hadamard butterfly on the loaded tile:
+With a column transform (`hadamard_pairs`) the column view runs the Hadamard butterfly on the loaded tile:
 the stage at distance 1 between the two row parities, each further stage on row pairs i and i + d of the tile
 viewed as [h / 2d, 2, d * w], the pair picked by exact integer sums (Triton tensors cannot be sliced). An
 earlier version that split the tile into 32 row slices was as exact, but its 32 loads and 32 strided stores
@@ -74,16 +74,16 @@ _E8M0_NAN = 255
 _E_MIN, _E_MAX = -127, 127
 
 
-# Hadamard transforms the column view can apply along M (fixed signs; random-sign kinds are not covered).
-TRANSFORMS = ("h16", "h32")
+# Hadamard transforms the column view can apply along M (fixed signs, or random signs from a transform key).
+TRANSFORMS = ("h16", "h32", "rht16", "rht32")
 
 
 @dataclasses.dataclass(frozen=True)
 class ViewSpec:
   """How one view is quantized (`reference.quantize` options of that view).
 
-  transform: None, or a fixed-sign Hadamard of `TRANSFORMS` applied along the view's axis before quantizing
-  (column view only), as `quantize(hadamard(x, transform, axis=0), axis=0)`.
+  transform: None, or a Hadamard of `TRANSFORMS` applied along the view's axis before quantizing (column view
+  only), as `quantize(hadamard(x, transform, axis=0, key=transform_key), axis=0)`.
   """
 
   rounding: str = "rne"
@@ -119,8 +119,9 @@ class DualConfig:
   interpret: bool = False
 
   @property
-  def needs_seeds(self) -> bool:
-    return "sr" in (self.row.rounding, self.col.rounding)
+  def needs_params(self) -> bool:
+    """Whether the kernel reads the uint32 parameter words (SR seeds, Hadamard sign mask)."""
+    return "sr" in (self.row.rounding, self.col.rounding) or self.col.transform is not None
 
 
 def supported(fmt: str, rounding: str = "rne", *, shape: tuple[int, ...] | None = None, dtype=None,
@@ -301,7 +302,7 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
   column scales [bk/2, 2, bm/32].
   """
-  seed_ref, (x_ref, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_seeds else (None, refs)
+  seed_ref, (x_ref, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   # x[2i + p, 2j + q] as float32 bits: p = row parity (which load), q = column parity (which half).
   words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
@@ -328,8 +329,9 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   if cfg.col.rounding == "sr":
     col_r24 = row_r24 if cfg.shared_bits else random_bits(seed_ref, 1, index)
   if cfg.col.transform:
+    negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)  # the Hadamard's sign mask
     for q in range(2):
-      codes, scales = _transform_view(bits[0, q], bits[1, q], col_r24[0, q], col_r24[1, q], cfg.col)
+      codes, scales = _transform_view(bits[0, q], bits[1, q], col_r24[0, q], col_r24[1, q], negative, cfg.col)
       cc_ref[:, q, :] = codes.T  # [w, h]
       cs_ref[:, q, :] = scales.T  # [w, h / 16]
     return
@@ -339,11 +341,6 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
                           (h // 16, 16, w), 1, cfg.col)
     cc_ref[:, q, :] = codes.T  # [w, h]
     cs_ref[:, q, :] = scales.T  # [w, h / 16]
-
-
-# Rows (of 32) whose fixed Hadamard sign is -1: D16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1),
-# repeated, as a bitmask over r % 16.
-_D16_NEGATIVE = sum(1 << r for r, d in enumerate(hadamard.D16) if d < 0)
 
 
 def _pick(a: jax.Array, which: int) -> jax.Array:
@@ -360,19 +357,19 @@ def _i32(v: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(v, jnp.int32)
 
 
-def _hadamard_pairs(even: jax.Array, odd: jax.Array, transform: str) -> tuple[jax.Array, jax.Array]:
-  """`hadamard.hadamard(., transform, axis=0)` of rows 2i (`even`) and 2i + 1 (`odd`), float32 bits [h, w].
+def hadamard_pairs(even: jax.Array, odd: jax.Array, n: int, negative) -> tuple[jax.Array, jax.Array]:
+  """`hadamard.hadamard(., kind, axis=0)` (size n, signs `hadamard.negative_mask(kind)` = `negative`, an int32)
+  of rows 2i (`even`) and 2i + 1 (`odd`) given as float32 bits [h, w], h a multiple of n / 2.
 
   The same float32 operations in the same order as `hadamard.fwht`: signs (exact sign flips), the stage at
   distance 1 between the parities, then each stage at distance 2, 4, ... on row pairs i and i + d (viewed as
   [h / 2d, 2, d * w], the pair picked by exact integer sums), then the 1/sqrt(n) scale. Returns the
   transformed even and odd rows as float32 bits.
   """
-  n = hadamard.KINDS[transform].n
   h, w = even.shape
-  r = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * 2 % 16  # r % 16 of row 2i
-  even = even ^ (((_D16_NEGATIVE >> r) & 1) << 31)
-  odd = odd ^ (((_D16_NEGATIVE >> (r + 1)) & 1) << 31)
+  r = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * 2 % n  # position of row 2i in its block of n
+  even = even ^ (((negative >> r) & 1) << 31)
+  odd = odd ^ (((negative >> (r + 1)) & 1) << 31)
   even, odd = _i32(_f32(even) + _f32(odd)), _i32(_f32(even) - _f32(odd))
   out = []
   for y in (even, odd):
@@ -387,17 +384,17 @@ def _hadamard_pairs(even: jax.Array, odd: jax.Array, transform: str) -> tuple[ja
   return out[0], out[1]
 
 
-def _transform_view(even, odd, r24_even, r24_odd, cfg: ViewSpec):
+def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: ViewSpec):
   """Packed codes [h, w] and scale bytes [h/16, w] of the Hadamard-transformed column view of one column
-  parity: `even`, `odd` are the float32 bits [h, w] of rows 2i and 2i + 1."""
+  parity: `even`, `odd` are the float32 bits [h, w] of rows 2i and 2i + 1; `negative` the sign mask."""
   h, w = even.shape
-  even, odd = _hadamard_pairs(even, odd, cfg.transform)
+  even, odd = hadamard_pairs(even, odd, hadamard.KINDS[cfg.transform].n, negative)
   return _view(even & _F32_ABS, odd & _F32_ABS, (even >> 28) & 8, (odd >> 28) & 8, r24_even, r24_odd,
                (h // 16, 16, w), 1, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
+def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
   m, k = x.shape
   t = cfg.tile
   h, w = t.block_m // 2, t.block_k // 2
@@ -410,9 +407,9 @@ def _dual_call(x: jax.Array, seeds: jax.Array | None, cfg: DualConfig):
           ((m // 2, 2, k // 32), (h, 2, w // 16), lambda i, j: (i, 0, j)),
           ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
           ((k // 2, 2, m // 32), (w, 2, h // 16), lambda i, j: (j, 0, i))]
-  if cfg.needs_seeds:
-    in_specs.insert(0, pl.BlockSpec((4,), lambda i, j: (0,)))
-    args.insert(0, seeds)
+  if cfg.needs_params:
+    in_specs.insert(0, pl.BlockSpec((5,), lambda i, j: (0,)))
+    args.insert(0, params)
   rc, rs, cc, cs = pl.pallas_call(
       functools.partial(_dual_kernel, cfg=cfg, k=k),
       out_shape=tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
@@ -433,13 +430,15 @@ def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]
 
 
 def quantize_views(x: jax.Array, row: ViewSpec, col: ViewSpec, *, row_key: jax.Array | None = None,
-                   col_key: jax.Array | None = None, tile_2d: bool = False, tile: QuantTile | None = None,
+                   col_key: jax.Array | None = None, transform_key: jax.Array | None = None,
+                   tile_2d: bool = False, tile: QuantTile | None = None,
                    interpret: bool = False) -> tuple[QTensor, QTensor]:
   """Both MXFP4 views of a bf16 x[M, K] from one fused pass, each with its own recipe.
 
   Equal bit for bit to `(reference.quantize(x, "mxfp4", axis=-1, rounding=row.rounding, key=row_key,
   scale_rule=row.scale_rule, clip_fraction=row.clip_fraction), reference.quantize(hadamard(x, col.transform,
-  axis=0) if col.transform else x, "mxfp4", axis=0, ...col's options, key=col_key))`; with `tile_2d`, both
+  axis=0, key=transform_key) if col.transform else x, "mxfp4", axis=0, ...col's options, key=col_key))`
+  (`transform_key`: the random-sign kinds' key); with `tile_2d`, both
   views share one scale per 32x32 tile (row == col required). `supported_views` says what is covered.
   Passing the same key object as row_key and col_key draws each element's random bits once for both views.
   """
@@ -453,13 +452,16 @@ def quantize_views(x: jax.Array, row: ViewSpec, col: ViewSpec, *, row_key: jax.A
   tile.check(m, k, 32)
   cfg = DualConfig(row, col, tile_2d=tile_2d, shared_bits=row_key is not None and row_key is col_key,
                    tile=tile, interpret=interpret)
-  seeds = None
-  if cfg.needs_seeds:
+  params = None  # [row seed words, column seed words, Hadamard sign mask]
+  if cfg.needs_params:
     zero = (jnp.uint32(0), jnp.uint32(0))
     words = [_seed_words(kk, view) if v.rounding == "sr" else zero
              for kk, v, view in ((row_key, row, "row"), (col_key, col, "column"))]
-    seeds = jnp.stack([*words[0], *words[1]])
-  rc, rs, cc, cs = _dual_call(x, seeds, cfg)
+    mask = jnp.uint32(0)
+    if col.transform is not None:
+      mask = jax.lax.bitcast_convert_type(hadamard.negative_mask(col.transform, transform_key), jnp.uint32)
+    params = jnp.stack([*words[0], *words[1], mask])
+  rc, rs, cc, cs = _dual_call(x, params, cfg)
   return (QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k)),
           QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k)))
 

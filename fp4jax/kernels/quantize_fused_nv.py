@@ -64,7 +64,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import prng, reference
+from fp4jax import hadamard, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
 from fp4jax.kernels import quantize_fused
 from fp4jax.kernels.tiling import QuantTile, default_tile
@@ -98,6 +98,7 @@ class NvDualConfig:
   row_rounding: str = "rne"
   col_rounding: str = "rne"
   tile_2d: bool = False
+  col_transform: str | None = None
   tile: QuantTile = QuantTile()
   interpret: bool = False
 
@@ -119,17 +120,21 @@ def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> No
 
 def supported(fmt: str, row_rounding: str = "rne", col_rounding: str = "rne", *,
               shape: tuple[int, ...] | None = None, dtype=None, tile_rows: int = 128, tile_2d: bool = False,
-              **options) -> bool:
+              col_transform: str | None = None, **options) -> bool:
   """Whether `quantize_dual_nv` covers this case; callers fall back to `reference.quantize` otherwise.
 
   Covered: fmt "nvfp4" / "nvfp4_tile" (`tile_rows` a multiple of 32), 1x16 blocks or 16x16 tiles (`tile_2d`,
   with one rounding for both views), rounding "rne" / "sr" per view, a bf16 x [M, K] with M and K multiples
-  of 32. Not covered: 4/6, MS-EDEN, transforms or any other reference option set (`options` left at
-  None / False, e.g. scale_rule=None, are accepted).
+  of 32; for "nvfp4" without tiles, a Hadamard of `quantize_fused.TRANSFORMS` on the column view
+  (`col_transform`). Not covered: 4/6, MS-EDEN or any other reference option set (`options` left at None /
+  False, e.g. scale_rule=None, are accepted).
   """
   if fmt not in FORMATS or row_rounding not in ROUNDINGS or col_rounding not in ROUNDINGS:
     return False
   if tile_2d and row_rounding != col_rounding:
+    return False
+  if col_transform is not None and (col_transform not in quantize_fused.TRANSFORMS or fmt != "nvfp4"
+                                    or tile_2d):
     return False
   if any(v is not None and v is not False for v in options.values()):
     return False
@@ -278,7 +283,8 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
                k: int):
   """One tile of x as bf16 pairs -> both views.
 
-  seed_ref: uint32 [4], the row view's then the column view's SR seed words. prow_ref / pcol_ref: float32
+  seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
+  sign mask (`hadamard.negative_mask`). prow_ref / pcol_ref: float32
   [1, 16] parameter rows (`_view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
   the even column in the low half. Outputs, parity split out as in `quantize_fused`: row codes [bm/2, 2, bk/2],
   row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
@@ -311,6 +317,13 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/8]
   r24 = random_bits(1, cfg.col_rounding)
+  if cfg.col_transform is not None:  # the column view of hadamard(x, axis=0): the same butterfly as MXFP4's
+    n = hadamard.KINDS[cfg.col_transform].n
+    negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)
+    for q in range(2):
+      bits[0, q], bits[1, q] = quantize_fused.hadamard_pairs(bits[0, q], bits[1, q], n, negative)
+      for p in range(2):
+        mag[p, q], sign[p, q] = bits[p, q] & _F32_ABS, (bits[p, q] >> 28) & 8
   for q in range(2):  # column view: blocks of 16 along M = 8 row pairs; column parity q packs rows (2i, 2i+1)
     codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
                           (h // 8, 8, w), 1, pcol_ref, cfg.col_rounding)
@@ -337,7 +350,7 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
       pl.BlockSpec((w, 2, h // 8), lambda i, j: (j, 0, i)),
   )
   in_specs = [
-      pl.BlockSpec((4,), lambda i, j: (0,)),
+      pl.BlockSpec((5,), lambda i, j: (0,)),
       pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0)),
       pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)),
       pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
@@ -367,6 +380,7 @@ def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
 def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "rne", col_rounding: str = "rne",
                      row_key: jax.Array | None = None, col_key: jax.Array | None = None,
                      tensor_amax: jax.Array | None = None, tile_rows: int = 128, tile_2d: bool = False,
+                     col_transform: str | None = None, transform_key: jax.Array | None = None,
                      tile: QuantTile | None = None, interpret: bool = False) -> tuple[QTensor, QTensor]:
   """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
 
@@ -375,11 +389,19 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   col_key. `tile_2d`: one E4M3 scale per 16x16 tile; both views must use one rounding and one key (col_key
   None or the row_key object), so for "nvfp4" they hold the same codes, computed once.
   `tensor_amax` ("nvfp4" only): a precomputed amax; else `bf16_amax(x)` runs first (one XLA reduction).
+  `col_transform` ("nvfp4" only): the column view is `reference.quantize(hadamard(x, col_transform, axis=0,
+  key=transform_key), fmt, axis=0, ...)`; its amax comes from the same XLA pre-pass over x (a fused reduction
+  of the transformed values), the transform itself runs in the kernel.
   `interpret=True` runs the kernel in Pallas interpret mode (CPU).
   """
-  if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows, tile_2d=tile_2d):
+  if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows, tile_2d=tile_2d,
+                   col_transform=col_transform):
     raise ValueError(f"quantize_dual_nv does not cover {fmt=}, {row_rounding=}, {col_rounding=}, {x.dtype=}, "
-                     f"{tile_rows=}, {tile_2d=}; check `supported(...)` and fall back to reference.quantize")
+                     f"{tile_rows=}, {tile_2d=}, {col_transform=}; check `supported(...)` and fall back to "
+                     f"reference.quantize")
+  if col_transform is not None and tensor_amax is not None:
+    raise ValueError("tensor_amax is the amax of x, not of the column view's transformed x: pass one or the "
+                     "other")
   if tile_2d and col_key is not None and col_key is not row_key:
     raise ValueError("tile_2d: both views draw the row view's SR bits; pass col_key=None or the row_key object")
   if x.ndim != 2:
@@ -392,10 +414,16 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   _check_tile(tile, m, k, fmt, tile_rows)
   if tile_2d:
     col_key = row_key
-  seeds = jnp.concatenate([_seeds(row_rounding, row_key, "row"), _seeds(col_rounding, col_key, "col")])
+  mask = jnp.zeros((1,), jnp.uint32)
+  if col_transform is not None:
+    mask = jax.lax.bitcast_convert_type(hadamard.negative_mask(col_transform, transform_key), jnp.uint32)[None]
+  seeds = jnp.concatenate([_seeds(row_rounding, row_key, "row"), _seeds(col_rounding, col_key, "col"), mask])
   if fmt == "nvfp4":
     amax = bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
     row_amax = col_amax = amax
+    if col_transform is not None:
+      col_x = hadamard.hadamard(x, col_transform, axis=0, key=transform_key)  # reduced only: XLA fuses it
+      col_amax = reference._amax(col_x)  # pylint: disable=protected-access
   else:
     row_amax, col_amax = _tile_amaxes(x, tile_rows)  # [M], [K]
   prow, row_outer = _view_params(row_amax, row_rounding, tile.block_m)
@@ -404,7 +432,7 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row_rounding, col_rounding=col_rounding, tile_2d=bool(tile_2d),
-                     tile=tile, interpret=interpret)
+                     col_transform=col_transform, tile=tile, interpret=interpret)
   rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
   e4m3 = jnp.float8_e4m3fn
   row = QTensor(rc, jax.lax.bitcast_convert_type(rs, e4m3), row_outer, fmt=fmt, axis=1, shape=(m, k))

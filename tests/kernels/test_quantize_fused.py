@@ -87,9 +87,9 @@ def test_tile_2d_matches_reference(kind, rounding, scale_rule, clip_fraction):
   _assert_same(col, reference.quantize(x, "mxfp4", axis=0, **opts))
 
 
-def _views_reference(x, row, col, row_key, col_key):
+def _views_reference(x, row, col, row_key, col_key, transform_key=None):
   """The reference quantizers of quantize_views' two views."""
-  xc = hadamard(x, col.transform, axis=0) if col.transform else x
+  xc = hadamard(x, col.transform, axis=0, key=transform_key) if col.transform else x
   return (reference.quantize(x, "mxfp4", axis=-1, rounding=row.rounding, key=row_key, scale_rule=row.scale_rule,
                              clip_fraction=row.clip_fraction),
           reference.quantize(xc, "mxfp4", axis=0, rounding=col.rounding, key=col_key, scale_rule=col.scale_rule,
@@ -105,6 +105,8 @@ VIEW_CASES = [
     ("special", V("rne", "ocp"), V("rne", "ocp", transform="h32")),
     ("outliers", V("sr", "noclip"), V("rne", "ocp", transform="h32")),
     ("normal", V("rne", "noclip"), V("sr", "noclip", transform="h16")),
+    ("special", V("sr", "noclip"), V("sr", "noclip", transform="rht16")),  # random signs from a key
+    ("row_spread", V("rne", "ocp"), V("rne", "ocp", transform="rht32")),
 ]
 
 
@@ -112,9 +114,10 @@ VIEW_CASES = [
 def test_views_match_reference(kind, row, col):
   rng = np.random.default_rng(zlib.crc32(f"views/{kind}/{row}/{col}".encode()))
   x = jnp.asarray(INPUTS[kind](rng)).astype(jnp.bfloat16)
-  row_key, col_key = jax.random.split(jax.random.key(int(rng.integers(1 << 30))))
-  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key, tile=TILE, interpret=True)
-  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key)):
+  row_key, col_key, transform_key = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key, transform_key=transform_key,
+                                      tile=TILE, interpret=True)
+  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key, transform_key)):
     _assert_same(g, w)
 
 
@@ -134,7 +137,8 @@ def test_views_transform_nonfinite_block():
 def test_views_support():
   assert quantize_fused.supported_views("mxfp4", V("sr", "noclip"), V(transform="h32"), shape=(64, 64))
   assert not quantize_fused.supported_views("mxfp4", V(transform="h32"), V())  # row transform
-  assert not quantize_fused.supported_views("mxfp4", V(), V(transform="rht16"))  # random signs
+  assert quantize_fused.supported_views("mxfp4", V(), V(transform="rht16"))  # random signs (key at call)
+  assert not quantize_fused.supported_views("mxfp4", V(), V(transform="rht128"))  # beyond one MX block
   assert not quantize_fused.supported_views("mxfp4", V(), V("sr", "noclip"), tile_2d=True)  # views differ
   assert not quantize_fused.supported_views("nvfp4", V(), V())
   with pytest.raises(ValueError, match="column view needs a key"):
@@ -210,9 +214,9 @@ def test_gpu_matches_reference(rounding, tile_2d):
 def test_gpu_views_match_reference(kind, row, col):
   """The compiled per-view kernel (mixed rounding, Hadamard column view) on tiled inputs with the default tile."""
   x = jnp.asarray(np.tile(INPUTS[kind](np.random.default_rng(5)), (16, 8))).astype(jnp.bfloat16)
-  row_key, col_key = jax.random.split(jax.random.key(11))
-  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key)
-  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key)):
+  row_key, col_key, transform_key = jax.random.split(jax.random.key(11), 3)
+  got = quantize_fused.quantize_views(x, row, col, row_key=row_key, col_key=col_key, transform_key=transform_key)
+  for g, w in zip(got, _views_reference(x, row, col, row_key, col_key, transform_key)):
     _assert_same(g, w)
 
 
@@ -226,6 +230,6 @@ def test_triton_compile_time_script_lowers_every_kernel(capsys):
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
   ir = script.triton_ir(script.KERNELS["mx X rne|rne+h32"], (256, 256))
-  x_loads = [l for l in ir.splitlines() if "tt.load" in l and "ptr<i32>" in l]
+  x_loads = [l for l in ir.splitlines() if "tt.load" in l and "tensor<" in l and "ptr<i32>" in l]
   assert len(x_loads) == 2 and ir.count("tt.store") == 8  # x once (per row parity), 4 outputs x 2 parities
   assert "divf" not in ir  # no float division (Triton's is approximate)

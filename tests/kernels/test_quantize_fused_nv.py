@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fp4jax import reference
+from fp4jax.hadamard import hadamard
 from fp4jax.kernels import quantize_fused_nv as qnv
 from fp4jax.kernels.tiling import QuantTile
 
@@ -93,6 +94,31 @@ def test_tile_local_matches_reference(kind, row_rounding, col_rounding):
   rng = np.random.default_rng(zlib.crc32(f"tile/{kind}/{row_rounding}/{col_rounding}".encode()))
   x = INPUTS[kind](rng) * np.exp2(rng.integers(-40, 1, (1, SHAPE[1]))).astype(np.float32)  # column tiles differ
   _check(_bf16(x), "nvfp4_tile", row_rounding, col_rounding, seed=int(rng.integers(1 << 30)))
+
+
+def _check_transform(x, transform, row_rounding, col_rounding, seed=0, tile=TILE):
+  """The column view of hadamard(x, transform, axis=0) (its own amax and S_enc), the row view of x."""
+  kr, kc, kt = jax.random.key(seed), jax.random.key(seed + 1), jax.random.key(seed + 2)
+  row, col = qnv.quantize_dual_nv(x, "nvfp4", row_rounding=row_rounding, col_rounding=col_rounding, row_key=kr,
+                                  col_key=kc, col_transform=transform, transform_key=kt, tile=tile,
+                                  interpret=tile is not None)
+  _assert_same(row, reference.quantize(x, "nvfp4", axis=-1, rounding=row_rounding, key=kr))
+  xt = hadamard(x, transform, axis=0, key=kt)
+  _assert_same(col, reference.quantize(xt, "nvfp4", axis=0, rounding=col_rounding, key=kc))
+
+
+# The nvfp4 route's X (RNE, RHT16 wgrad view) and dY (SR dgrad view, SR RHT16 wgrad view), and fixed signs.
+@pytest.mark.parametrize("kind,transform,row_rounding,col_rounding", [
+    ("heavy", "rht16", "rne", "rne"), ("special", "rht16", "sr", "sr"), ("normal", "h16", "rne", "sr"),
+    ("heavy", "rht32", "sr", "rne")])
+def test_column_transform_matches_reference(kind, transform, row_rounding, col_rounding):
+  rng = np.random.default_rng(zlib.crc32(f"t/{kind}/{transform}/{row_rounding}/{col_rounding}".encode()))
+  _check_transform(_bf16(INPUTS[kind](rng)), transform, row_rounding, col_rounding, int(rng.integers(1 << 30)))
+
+
+def test_column_transform_nonfinite():
+  x = _nonfinite(np.random.default_rng(21))  # NaN/Inf spread through their Hadamard blocks
+  _check_transform(_bf16(x), "rht16", "rne", "rne")
 
 
 def test_tile_local_ragged_last_tiles():
@@ -261,7 +287,10 @@ def test_supported():
   assert qnv.supported("nvfp4", "sr", "sr", tile_2d=True, shape=(64, 128), dtype=jnp.bfloat16)
   assert qnv.supported("nvfp4_tile", "rne", "rne", tile_2d=True, tile_rows=64)
   assert not qnv.supported("nvfp4", "sr", "rne", tile_2d=True)
-  assert not qnv.supported("nvfp4", "rne", "rne", transform="rht16")
+  assert not qnv.supported("nvfp4", "rne", "rne", transform="rht16")  # a row-view transform
+  assert qnv.supported("nvfp4", "sr", "sr", col_transform="rht16", shape=(64, 128))
+  assert not qnv.supported("nvfp4_tile", "rne", "rne", col_transform="rht16")
+  assert not qnv.supported("nvfp4", "rne", "rne", col_transform="rht128")
   assert qnv.supported("nvfp4", "rne", "rne", tile_2d=False, scale_rule=None)
   assert not qnv.supported("nvfp4", "rne", "rne", dtype=jnp.float32)
   assert not qnv.supported("nvfp4", "rne", "rne", shape=(48, 128))
@@ -312,6 +341,14 @@ def test_gpu_matches_reference(fmt, row_rounding, col_rounding):
                                   col_key=kc)
   _assert_same(row, reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=kr))
   _assert_same(col, reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=kc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transform,rounding", [("rht16", "rne"), ("rht16", "sr")])
+def test_gpu_column_transform_matches_reference(transform, rounding):
+  """The compiled kernel (default tile) with the column view's Hadamard, on tiled special blocks."""
+  _check_transform(_bf16(np.tile(_special_blocks(np.random.default_rng(22)), (16, 8))), transform, "sr",
+                   rounding, tile=None)
 
 
 @pytest.mark.gpu
