@@ -23,9 +23,9 @@ Residuals (what the forward saves for the backward): only what the backward GEMM
 
 Fused quantization (on a GPU, `FUSED_QUANTIZER`): the two operands read from one array -- X for fprop (along
 K) and wgrad (along M), dY for dgrad (along N) and wgrad (along M) -- come from ONE pass of
-`kernels.quantize_fused` where it covers both recipes (each with its own rounding, key and a fixed Hadamard
-on the wgrad view), bit for bit the reference quantizer's numbers; anything else falls back to
-`reference.quantize` compiled by XLA.
+`kernels.quantize_fused` (MXFP4) or `kernels.quantize_fused_nv` (NVFP4) where it covers both recipes (each
+with its own rounding, key and a Hadamard on the wgrad view), bit for bit the reference quantizer's numbers;
+anything else falls back to `reference.quantize` compiled by XLA.
 """
 
 from __future__ import annotations
@@ -150,9 +150,7 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: s
   if views is not None:
     return views[0] if axis == 1 else views[1]
   if spec.transform is not None:
-    random_signs = route_lib.TRANSFORMS[spec.transform].random_signs
-    tkey = route_lib.transform_key(key, _gemm_of(role)) if random_signs else None
-    v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=tkey)
+    v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=_transform_key(spec, key, role))
   return quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=_rounding_key(spec, key, role),
                   scale_rule=spec.scale_rule, tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
 
@@ -180,21 +178,24 @@ def _mx_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool
 
 
 def _nv_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool):
-  if row.transform or col.transform or not quantize_fused_nv.supported(
-      row.fmt, row.rounding, col.rounding, shape=v.shape, dtype=v.dtype, tile_2d=row.tile_2d):
+  if row.transform or not quantize_fused_nv.supported(
+      row.fmt, row.rounding, col.rounding, shape=v.shape, dtype=v.dtype, tile_2d=row.tile_2d,
+      col_transform=col.transform):
     return None
   return quantize_fused_nv.quantize_dual_nv(v, row.fmt, row_rounding=row.rounding, col_rounding=col.rounding,
-                                            tile_2d=row.tile_2d, interpret=interpret, **keys)
+                                            tile_2d=row.tile_2d, col_transform=col.transform,
+                                            interpret=interpret, **keys)
 
 
-# Fused dual-view quantizers by format: (v, row spec, col spec, keys, interpret) -> (row, col) or None.
+# Fused dual-view quantizers by format: (v, row spec, col spec, keys, interpret) -> (row, col) or None; keys
+# holds row_key, col_key (rounding) and transform_key (the column view's random Hadamard signs).
 _FUSED_VIEWS = {"mxfp4": _mx_views, "nvfp4": _nv_views, "nvfp4_tile": _nv_views}
 
 
 def _fused_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array,
                  roles: tuple[str, str]) -> tuple[QTensor, QTensor] | None:
   """Both views of `v` from one fused-quantizer pass (bit for bit the reference's), or None if none covers
-  them. A transform is covered only where the kernel applies it itself (the MX column view's H16/H32)."""
+  them. A transform is covered only where the kernel applies it itself (on the column view)."""
   fused = _FUSED_VIEWS.get(row.fmt)
   if not _fused_quantizer_on() or fused is None or row.fmt != col.fmt or row.tile_2d != col.tile_2d:
     return None
@@ -204,11 +205,19 @@ def _fused_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Arra
   row_key, col_key = (_rounding_key(s, key, role) for s, role in zip((row, col), roles))
   if roles[0] == roles[1]:
     col_key = row_key  # one recipe for both views: the same bits
-  return fused(v, row, col, dict(row_key=row_key, col_key=col_key), FUSED_QUANTIZER == "interpret")
+  keys = dict(row_key=row_key, col_key=col_key, transform_key=_transform_key(col, key, roles[1]))
+  return fused(v, row, col, keys, FUSED_QUANTIZER == "interpret")
 
 
 def _gemm_of(role: str) -> str:
   return role.split("_")[0]  # "wgrad_dy" -> "wgrad"
+
+
+def _transform_key(spec: OperandSpec, key: jax.Array, role: str) -> jax.Array | None:
+  """The key of the operand's random Hadamard signs (shared by both operands of its GEMM), else None."""
+  if spec.transform is None or not route_lib.TRANSFORMS[spec.transform].random_signs:
+    return None
+  return route_lib.transform_key(key, _gemm_of(role))
 
 
 def _rounding_key(spec: OperandSpec, key: jax.Array, role: str) -> jax.Array | None:

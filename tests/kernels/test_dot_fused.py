@@ -71,7 +71,7 @@ def test_fused_quantizer_is_used_and_shared_between_views(monkeypatch):
 LAUNCHES = {
     "mxfp4": 3,  # X (fprop + wgrad), W (32x32 tiles), dY (SR dgrad + RNE wgrad)
     "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
-    "nvfp4": 3,  # X's and dY's un-transformed views (RHT16 wgrad views: XLA reference), W's 16x16 tiles
+    "nvfp4": 3,  # X (fprop + RHT16 wgrad), W (16x16 tiles), dY (SR dgrad + SR RHT16 wgrad)
     "quartet2": 0,  # 4/6 and MS-EDEN: XLA reference
 }
 
@@ -101,4 +101,5 @@ def test_gpu_mode_opt_in_paths(opt_in, monkeypatch):
       lambda x, w: dot.fp4_dot(x, w, route=route, key=key), x, w)[1](g))(x, w).jaxpr
   assert _pallas_launches(trace("nvfp4_tile_local")) == (3 if opt_in else 0)
   assert _pallas_launches(trace("mxfp4_h32")) == 3
-  assert len(xla_hadamards) == (0 if opt_in else 2)  # X's and dY's wgrad views
+  assert _pallas_launches(trace("nvfp4")) == (3 if opt_in else 0)
+  assert len(xla_hadamards) == (0 if opt_in else 4)  # X's and dY's wgrad views (H32, RHT16) in XLA
