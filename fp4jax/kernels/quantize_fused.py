@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -231,19 +232,28 @@ def _codes(a, sign, r24, mul, blocks: tuple[int, ...], cfg: ViewSpec) -> jax.Arr
   return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
 
 
-def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
-          cfg: ViewSpec):
-  """Packed codes [h, w] and scale bytes of one view of two element sets sharing their blocks.
+def pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
+              block_scale: Callable, codes: Callable):
+  """Packed codes [h, w] and scale bytes of one view of two element sets sharing their blocks (any format).
 
   abs_*: int32 |x| float32 bits [h, w] of the elements for the low and high nibbles (neighbours along the
   view's quantized axis, so in the same block); `blocks` reshapes [h, w] so that `axis` runs along a block.
+  block_scale(amax bits) -> (finite, per-block multiplier, scale bytes); codes(abs bits, sign, r24,
+  multiplier) -> int32 codes shaped `blocks`. Non-finite blocks get zero codes.
   """
   amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
-  finite, mul, scale = _block_scale(amax, cfg)
-  packed = (_codes(abs_lo, sign_lo, r24_lo, mul, blocks, cfg) |
-            (_codes(abs_hi, sign_hi, r24_hi, mul, blocks, cfg) << 4))
+  finite, mul, scale = block_scale(amax)
+  packed = codes(abs_lo, sign_lo, r24_lo, mul) | (codes(abs_hi, sign_hi, r24_hi, mul) << 4)
   packed = jnp.where(finite, packed, 0)
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+
+
+def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
+          cfg: ViewSpec):
+  """`pack_view` under MXFP4's E8M0 block scales and `cfg`'s rounding."""
+  return pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks, axis,
+                   lambda amax: _block_scale(amax, cfg),
+                   lambda a, sign, r24, mul: _codes(a, sign, r24, mul, blocks, cfg))
 
 
 def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: ViewSpec):
@@ -393,34 +403,46 @@ def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: ViewSpec):
                (h // 16, 16, w), 1, cfg)
 
 
+def view_outputs(m: int, k: int, t: QuantTile, block: int) -> tuple[tuple, tuple]:
+  """(out_shape, out_specs) of a dual-view kernel on x [M, K] with `block` elements per scale: row codes
+  [M/2, 2, K/2], row scales [M/2, 2, K/block], column codes [K/2, 2, M/2], column scales [K/2, 2, M/block],
+  each a free reshape of its QTensor array, tiled per program as the x tile [bm/2, 2, bk/2] dictates."""
+  h, w, per = t.block_m // 2, t.block_k // 2, block // 2
+  outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
+          ((m // 2, 2, k // block), (h, 2, w // per), lambda i, j: (i, 0, j)),
+          ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
+          ((k // 2, 2, m // block), (w, 2, h // per), lambda i, j: (j, 0, i))]
+  return (tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
+          tuple(pl.BlockSpec(b, index) for _, b, index in outs))
+
+
+def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int):
+  """`view_outputs`' four arrays reshaped to the QTensor layouts (free)."""
+  return rc.reshape(m, k // 2), rs.reshape(m, k // block), cc.reshape(k, m // 2), cs.reshape(k, m // block)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
   m, k = x.shape
   t = cfg.tile
-  h, w = t.block_m // 2, t.block_k // 2
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  in_specs = [pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j))]
+  in_specs = [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2), lambda i, j: (i, 0, j))]
   args = [xw]
-  # (output shape, block, index map): row codes, row scales, column codes, column scales; each a free reshape
-  # of its QTensor array.
-  outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
-          ((m // 2, 2, k // 32), (h, 2, w // 16), lambda i, j: (i, 0, j)),
-          ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
-          ((k // 2, 2, m // 32), (w, 2, h // 16), lambda i, j: (j, 0, i))]
   if cfg.needs_params:
     in_specs.insert(0, pl.BlockSpec((5,), lambda i, j: (0,)))
     args.insert(0, params)
-  rc, rs, cc, cs = pl.pallas_call(
+  out_shape, out_specs = view_outputs(m, k, t, 32)
+  outs = pl.pallas_call(
       functools.partial(_dual_kernel, cfg=cfg, k=k),
-      out_shape=tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
+      out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),
       in_specs=in_specs,
-      out_specs=tuple(pl.BlockSpec(block, index) for _, block, index in outs),
+      out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=cfg.interpret,
       name=KERNEL_NAME,
   )(*args)
-  return rc.reshape(m, k // 2), rs.reshape(m, k // 32), cc.reshape(k, m // 2), cs.reshape(k, m // 32)
+  return view_arrays(*outs, m, k, 32)
 
 
 def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]:

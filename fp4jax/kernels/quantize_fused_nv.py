@@ -225,7 +225,7 @@ def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
 
 
 def _unit_scale(amax: jax.Array, p_ref):
-  """(ok, E4M3 scale byte, enc_b) of scale units with int32 amax bits `amax`; p_ref: the parameter row.
+  """(ok, enc_b, E4M3 scale byte) of scale units with int32 amax bits `amax`; p_ref: the parameter row.
 
   ok is False for a non-finite unit or a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes.
   """
@@ -233,7 +233,7 @@ def _unit_scale(amax: jax.Array, p_ref):
   ok = (amax < _F32_INF) & (g == g)
   t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
   byte, sf = _e4m3_rn(t)
-  return ok, jnp.where(ok, byte, _E4M3_NAN), _block_encode(sf, p_ref)
+  return ok, _block_encode(sf, p_ref), jnp.where(ok, byte, _E4M3_NAN)
 
 
 def _codes(a, sign, r24, enc, blocks: tuple[int, ...], rounding: str) -> jax.Array:
@@ -245,23 +245,17 @@ def _codes(a, sign, r24, enc, blocks: tuple[int, ...], rounding: str) -> jax.Arr
 
 def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
           rounding: str):
-  """Packed codes [h, w] and E4M3 scale bytes of one view of two element sets sharing their blocks.
-
-  abs_*: int32 |x| float32 bits [h, w] of the low / high nibble elements (neighbours along the view's axis);
-  `blocks` reshapes [h, w] so that `axis` runs along a block of 16; p_ref: this program's parameter row.
-  """
-  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
-  ok, scale, enc = _unit_scale(amax, p_ref)
-  packed = (_codes(abs_lo, sign_lo, r24_lo, enc, blocks, rounding) |
-            (_codes(abs_hi, sign_hi, r24_hi, enc, blocks, rounding) << 4))
-  packed = jnp.where(ok, packed, 0)
-  return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+  """`quantize_fused.pack_view` under NVFP4's E4M3 block scales (blocks of 16; p_ref: this program's
+  parameter row)."""
+  return quantize_fused.pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks, axis,
+                                  lambda amax: _unit_scale(amax, p_ref),
+                                  lambda a, sign, r24, enc: _codes(a, sign, r24, enc, blocks, rounding))
 
 
 def _tile_codes(mag, sign, r24, amax, p_ref, rounding: str, tiles: tuple[int, int, int, int]):
   """One view under one scale per 16x16 tile: (codes per element set, [h/8, 8, w/8, 8], zero in non-finite
   tiles; scale bytes [h/8, 1, w/8, 1]). amax: int32 tile amax bits [h/8, 1, w/8, 1]."""
-  ok, scale, enc = _unit_scale(amax, p_ref)
+  ok, enc, scale = _unit_scale(amax, p_ref)
   codes = {pq: jnp.where(ok, _codes(mag[pq], sign[pq], r24[pq], enc, tiles, rounding), 0) for pq in mag}
   return codes, scale
 
@@ -337,25 +331,14 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
   t = cfg.tile
   h, w = t.block_m // 2, t.block_k // 2
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  out_shape = (
-      jax.ShapeDtypeStruct((m // 2, 2, k // 2), jnp.uint8),
-      jax.ShapeDtypeStruct((m // 2, 2, k // 16), jnp.uint8),
-      jax.ShapeDtypeStruct((k // 2, 2, m // 2), jnp.uint8),
-      jax.ShapeDtypeStruct((k // 2, 2, m // 16), jnp.uint8),
-  )
-  out_specs = (
-      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
-      pl.BlockSpec((h, 2, w // 8), lambda i, j: (i, 0, j)),
-      pl.BlockSpec((w, 2, h), lambda i, j: (j, 0, i)),
-      pl.BlockSpec((w, 2, h // 8), lambda i, j: (j, 0, i)),
-  )
+  out_shape, out_specs = quantize_fused.view_outputs(m, k, t, BLOCK)
   in_specs = [
       pl.BlockSpec((5,), lambda i, j: (0,)),
       pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0)),
       pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)),
       pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
   ]
-  rc, rs, cc, cs = pl.pallas_call(
+  outs = pl.pallas_call(
       functools.partial(_nv_kernel, cfg=cfg, k=k),
       out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),
@@ -365,7 +348,7 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
       interpret=cfg.interpret,
       name=KERNEL_NAME,
   )(seeds, prow, pcol, xw)
-  return rc.reshape(m, k // 2), rs.reshape(m, k // 16), cc.reshape(k, m // 2), cs.reshape(k, m // 16)
+  return quantize_fused.view_arrays(*outs, m, k, BLOCK)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
