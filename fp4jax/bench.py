@@ -215,12 +215,17 @@ def _fp4_fprop_prequantized_w(route: str, key: jax.Array):
   return prep_w, fwd
 
 
-def run_dot(args: argparse.Namespace) -> None:
-  """The `dot` subcommand."""
+def _selected_shapes(args: argparse.Namespace) -> tuple[tuple, int]:
+  """((name, K, N) shapes picked by --small / --shapes, tokens M)."""
   shapes = SMALL_SHAPES if args.small else LLAMA8B_SHAPES
-  m = SMALL_TOKENS if args.small else LLAMA8B_TOKENS
   if args.shapes:
     shapes = tuple(s for i, s in enumerate(shapes) if i in args.shapes)
+  return shapes, SMALL_TOKENS if args.small else LLAMA8B_TOKENS
+
+
+def run_dot(args: argparse.Namespace) -> None:
+  """The `dot` subcommand."""
+  shapes, m = _selected_shapes(args)
   meta = _device_info()
   print(f"fp4jax.bench dot: {meta}", flush=True)
   meta["copy_bandwidth_GBps"] = _timing.copy_bandwidth(2**30 if not args.small else 2**22) / 1e9
@@ -326,20 +331,16 @@ def run_dot(args: argparse.Namespace) -> None:
 
 def run_compile(args: argparse.Namespace) -> None:
   """The `compile` subcommand: times `jax.jit(f).lower(...)` and `.compile()` of fp4_dot per route."""
-  from fp4jax.dot import fp4_dot  # pylint: disable=g-import-not-at-top
-  shapes = SMALL_SHAPES if args.small else LLAMA8B_SHAPES
-  m = SMALL_TOKENS if args.small else LLAMA8B_TOKENS
+  shapes, m = _selected_shapes(args)
   print(f"fp4jax.bench compile: {_device_info()} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
-  for si in args.shapes if args.shapes else range(len(shapes)):
-    sname, k, n = shapes[si]
+  for sname, k, n in shapes:
     x, w, dy = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n)))
     for route in args.routes:
-      fwd = lambda x, w, route=route: fp4_dot(x, w, route=route, key=key)
-      fwd_bwd = lambda x, w, dy, fwd=fwd: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fwd, x, w))
+      fwd, fwd_bwd = _fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
         t0 = time.perf_counter()
-        lowered = jax.jit(fn).lower(*fargs)
+        lowered = fn.lower(*fargs)
         t1 = time.perf_counter()
         lowered.compile()
         t2 = time.perf_counter()
