@@ -49,11 +49,13 @@ Conventions (the contract the kernels reproduce):
     The SR decision exposes every ulp of t, so t must be bit-exact: XLA's FMA contraction of the products into the
     sum, or its x * (1 / d) for the divisions, changed t in 29% of the groups (measured on CPU) and the scale in
     1 group of 516,096 (tests/test_reference.py::test_eden_scale_regression).
-  * Divisions are correctly rounded IEEE divisions by a computed value (`_div`); a constant divisor is written as
-    a multiplication by its float32 reciprocal. XLA's simplifier rewrites x / c into x * (1 / c),
-    a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU) and a / broadcast(b) into
-    a * broadcast(1 / b), so `_div` broadcasts the divisor and hides it behind an optimization barrier; kernels
-    must divide exactly too.
+  * Divisions are correctly rounded IEEE divisions by a computed value (`_div`: `ieee.div`, integer long
+    division of the significands; by a power of two, `ieee.div_pow2`); a constant divisor is written as a
+    multiplication by its float32 reciprocal. XLA's own `/` will not do: its simplifier rewrites x / c into
+    x * (1 / c), a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU) and a / broadcast(b)
+    into a * broadcast(1 / b), and on NVIDIA GPUs it is an approximation within 2 ulps (PTX div.full.f32:
+    measured on an H200, 29% of random quotients off; it made the GPU reference's NVFP4 codes differ from the
+    CPU reference's and from the fused kernel's). Kernels must divide exactly too.
   * Sums that decide something (4/6 errors, EDEN's correction) are pairwise halving trees in a fixed order over
     float32 values (`_tree_sum` keeps products out of the first level: no FMA); a 2-D tile is summed along the
     original array's columns first, then its rows, so both orientations agree.
@@ -74,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import prng
+from fp4jax import ieee, prng
 from fp4jax.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, FormatSpec, get_format
 from fp4jax.qtensor import QTensor, pack_codes
 
@@ -120,7 +122,7 @@ def e2m1_encode_sr(v: jax.Array, u: jax.Array) -> jax.Array:
   table = jnp.asarray(E2M1_VALUES, jnp.float32)
   lo = table[lo_code.astype(jnp.int32)]
   hi = table[jnp.minimum(lo_code + 1, 7).astype(jnp.int32)]
-  p = jnp.where(hi > lo, _div(mag - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
+  p = jnp.where(hi > lo, ieee.div_pow2(mag - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
   code = lo_code + (u < p).astype(jnp.uint8)
   return code | jnp.where(jnp.signbit(v), jnp.uint8(8), jnp.uint8(0))
 
@@ -140,12 +142,12 @@ def e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
   """float8_e4m3fn of float32 `t` in [0, 448] by stochastic rounding between the neighbouring E4M3 values."""
   r = e4m3_rn(t)
   rb = jax.lax.bitcast_convert_type(r, jnp.uint8)
-  above = r.astype(jnp.float32) > t
+  above = ieee.e4m3_to_f32(r) > t
   lo_b = jnp.where(above, rb - 1, rb)
   hi_b = jnp.where(above, rb, jnp.minimum(rb + 1, 0x7E))
-  lo = jax.lax.bitcast_convert_type(lo_b, jnp.float8_e4m3fn).astype(jnp.float32)
-  hi = jax.lax.bitcast_convert_type(hi_b, jnp.float8_e4m3fn).astype(jnp.float32)
-  p = jnp.where(hi > lo, _div(t - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
+  lo = ieee.e4m3_to_f32(jax.lax.bitcast_convert_type(lo_b, jnp.float8_e4m3fn))
+  hi = ieee.e4m3_to_f32(jax.lax.bitcast_convert_type(hi_b, jnp.float8_e4m3fn))
+  p = jnp.where(hi > lo, ieee.div_pow2(t - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)  # E4M3 steps: 2^-9..32
   return jax.lax.bitcast_convert_type(jnp.where(u < p, hi_b, lo_b), jnp.float8_e4m3fn)
 
 
@@ -155,13 +157,8 @@ def pow2(e: jax.Array) -> jax.Array:
 
 
 def _div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a / b, correctly rounded: the barrier stops XLA from rewriting it into a multiplication by 1 / b.
-
-  The divisor is broadcast to the result's shape *before* the barrier: XLA rewrites a / broadcast(b) into
-  a * broadcast(1 / b) (measured on CPU: 27% of x[:, j] / b[:, None] off by an ulp), barrier or not.
-  """
-  a, b = jnp.broadcast_arrays(a, b)
-  return a / jax.lax.optimization_barrier(b)
+  """a / b, correctly rounded on every backend (`ieee.div`; the module docstring says why not `/`)."""
+  return ieee.div(a, b)
 
 
 def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
@@ -319,7 +316,7 @@ def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom:
 
 def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
   """x * enc_b with enc_b = S_enc / s_b (0 when s_b = 0), in E2M1 units, clamped to +-6."""
-  sf = s_b.astype(jnp.float32)
+  sf = ieee.e4m3_to_f32(s_b)
   enc = jnp.where(sf == 0, 0.0, jnp.minimum(_div(s_enc, jnp.where(sf == 0, 1.0, sf)), _F32_MAX))
   return jnp.clip(xb * enc[..., None], -E2M1_MAX, E2M1_MAX)
 
@@ -332,7 +329,7 @@ def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg, headroom: float) -> jax.Array:
 
   def err(s_b):
     q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, s_enc)))
-    return _unit_sum(jnp.square(q * s_b.astype(jnp.float32)[..., None] - target), cfg)
+    return _unit_sum(jnp.square(q * ieee.e4m3_to_f32(s_b)[..., None] - target), cfg)
 
   s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0, headroom), _nv_block_scale(amax_b, s_enc, 4.0, headroom)
   return jnp.where(err(s4) < err(s6), s4, s6)
@@ -370,7 +367,7 @@ def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax
   bad = jnp.repeat(bad.reshape(*lead, nb // per_group, per_group).any(-1), per_group, axis=-1)
   bad = bad | ~jnp.isfinite(s_dec)
   amax_b = jnp.where(bad, 0.0, jnp.max(jnp.abs(xb), axis=-1))  # [..., nb]
-  s_b = e4m3_rn(jnp.minimum(_div(amax_b * jnp.float32(1 / EDEN_VAL_MAX), s_dec), E4M3_MAX)).astype(jnp.float32)
+  s_b = ieee.e4m3_to_f32(e4m3_rn(jnp.minimum(_div(amax_b * jnp.float32(1 / EDEN_VAL_MAX), s_dec), E4M3_MAX)))
   s_b = jnp.where(s_b == 0, 1.0, s_b)
   ys = _div(xb, (s_b * s_dec)[..., None])  # [..., nb, B]
   codes = e2m1_encode_rne(ys)
@@ -511,7 +508,7 @@ def _decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
   if spec.scale == "e8m0":
     s = scales.astype(jnp.int32)
     return jnp.where(s == _E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), s - 127))
-  return scales.astype(jnp.float32)
+  return ieee.e4m3_to_f32(scales)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

@@ -97,6 +97,16 @@ def test_matches_numpy(fmt, options, axis):
     _assert_matches_numpy(x, fmt, axis=axis, **options)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS], ids=CONFIG_IDS)
+def test_gpu_matches_numpy(fmt, options):
+  """Compiled by XLA for the GPU (whose own float32 `/` is approximate there), the same bits as numpy."""
+  with jax.default_device(jax.devices("gpu")[0]):
+    for x in _inputs().values():
+      for axis in (0, -1):
+        _assert_matches_numpy(x, fmt, axis=axis, **options)
+
+
 @pytest.mark.parametrize("dtype,fmt,options", [
     (jnp.bfloat16, "mxfp4", {"rounding": "sr"}), (jnp.bfloat16, "nvfp4_46", {}), (jnp.float16, "nvfp4", {}),
     (jnp.float16, "nvfp4", {"rounding": "eden"})], ids=["bf16_mx_sr", "bf16_nv46", "f16_nv", "f16_eden"])

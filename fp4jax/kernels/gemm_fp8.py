@@ -53,6 +53,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import ieee
 from fp4jax.qtensor import QTensor
 
 E4M3_NAN_BITS = 0x7F
@@ -184,7 +185,7 @@ def _bf16_values(q: QTensor) -> jax.Array:
     s = q.scales.astype(jnp.int32)
     scale = jnp.where(s == E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), s - E8M0_BIAS))
   else:
-    scale = q.scales.astype(jnp.float32)
+    scale = ieee.e4m3_to_f32(q.scales)  # not astype: XLA:GPU may skip the scales' E4M3 rounding (fp4jax.ieee)
   return (vals * scale[..., None]).reshape(r, k).astype(jnp.bfloat16)
 
 
