@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -30,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import _timing
+from fp4jax import _timing, dot
+from fp4jax import route as route_lib
 from fp4jax.formats import get_format
-from fp4jax.kernels import gemm_emulated, gemm_fp8
+from fp4jax.kernels import bench_quantize, gemm_emulated, gemm_fp8
 from fp4jax.qtensor import QTensor
 
 # (name, K, N) for x [tokens, K] @ w [K, N].
@@ -191,10 +190,8 @@ class _Rows:
 
 def _fp4_dot_fns(route: str, key: jax.Array):
   """(forward, forward+backward) jitted functions of fp4_dot with `route`."""
-  from fp4jax.dot import fp4_dot  # pylint: disable=g-import-not-at-top  (optional: written concurrently)
-
   def fwd(x, w):
-    return fp4_dot(x, w, route=route, key=key)
+    return dot.fp4_dot(x, w, route=route, key=key)
 
   def fwd_bwd(x, w, dy):
     y, vjp = jax.vjp(fwd, x, w)
@@ -206,12 +203,11 @@ def _fp4_dot_fns(route: str, key: jax.Array):
 def _fp4_fprop_prequantized_w(route: str, key: jax.Array):
   """(quantize W, forward with that W): the fprop of fp4_dot with W quantized once, outside the timed call, as
   a training step does once per step for all its micro-batches (the DESIGN target's definition)."""
-  from fp4jax import dot, route as route_lib  # pylint: disable=g-import-not-at-top
-
   r = route_lib.get(route)
-  prep_w = jax.jit(lambda w: dot._prepare(w, r.fprop_w, 0, key, "fprop_w"))  # pylint: disable=protected-access
+  mode = dot._quantizer_mode()  # pylint: disable=protected-access
+  prep_w = jax.jit(lambda w: dot._prepare(w, r.fprop_w, 0, key, "fprop_w", mode))  # pylint: disable=protected-access
   fwd = jax.jit(lambda x, wq: dot._gemm(  # pylint: disable=protected-access
-      dot._prepare(x, r.fprop_x, 1, key, "fprop_x"), wq, x.dtype, None))  # pylint: disable=protected-access
+      dot._prepare(x, r.fprop_x, 1, key, "fprop_x", mode), wq, x.dtype, None))  # pylint: disable=protected-access
   return prep_w, fwd
 
 
@@ -233,7 +229,6 @@ def run_dot(args: argparse.Namespace) -> None:
   rows = _Rows(args.out, meta)
   key = jax.random.key(args.seed)
   bf16_out = jnp.bfloat16
-  has_dot = importlib.util.find_spec("fp4jax.dot") is not None
 
   # HLO check: did the fp8 backend's MXFP4 GEMM become a cuBLAS(Lt) FP8 GEMM?
   print("HLO check: compiling the fp8 backend's GEMMs...", flush=True)
@@ -307,23 +302,25 @@ def run_dot(args: argparse.Namespace) -> None:
              warmup=1, iters=max(2, args.iters // 4))
     del qa, qb, a8, b8, x8, w8
 
-  for si, (sname, k, n) in enumerate(shapes if has_dot else ()):
+  for si, (sname, k, n) in enumerate(shapes):
     _, x, w, dy = operands(si, k, n)
     flops = 2.0 * m * k * n
     if not args.gemm_rows:
       rows.add(sname, "bf16 dot", jax.jit(lambda x, w: jnp.dot(x, w)), (x, w), flops, base=None, **common)
     for route in args.routes:
-      fwd, fwd_bwd = _fp4_dot_fns(route, jax.random.fold_in(key, 7))
-      rows.add(sname, f"fp4_dot {route} fwd", fwd, (x, w), flops, base="bf16 dot", **common)
-      if route != "bf16":
-        prep_w, fwd_q = _fp4_fprop_prequantized_w(route, jax.random.fold_in(key, 7))
-        rows.add(sname, f"fp4_dot {route} fwd, W pre-quantized", fwd_q, (x, prep_w(w)), flops,
-                 base="bf16 dot", **common)
-      rows.add(sname, f"fp4_dot {route} fwd+bwd", fwd_bwd, (x, w, dy), 3 * flops,
-               base="fp4_dot bf16 fwd+bwd" if "bf16" in args.routes else None, **common)
+      unfused = args.unfused and not route_lib.get(route).high_precision
+      for mode in ("gpu", "xla") if unfused else (dot.FUSED_QUANTIZER,):
+        tag = " [xla quant]" if mode == "xla" else ""
+        fwd, fwd_bwd = _fp4_dot_fns(route, jax.random.fold_in(key, 7))
+        with dot.fused_quantizer(mode):  # read when the first call traces
+          rows.add(sname, f"fp4_dot {route} fwd{tag}", fwd, (x, w), flops, base="bf16 dot", **common)
+          if route != "bf16" and mode != "xla":
+            prep_w, fwd_q = _fp4_fprop_prequantized_w(route, jax.random.fold_in(key, 7))
+            rows.add(sname, f"fp4_dot {route} fwd, W pre-quantized", fwd_q, (x, prep_w(w)), flops,
+                     base="bf16 dot", **common)
+          rows.add(sname, f"fp4_dot {route} fwd+bwd{tag}", fwd_bwd, (x, w, dy), 3 * flops,
+                   base="fp4_dot bf16 fwd+bwd" if "bf16" in args.routes else None, **common)
 
-  if not has_dot:
-    print("fp4jax.dot not found: fp4_dot rows skipped", flush=True)
   print("\nfp4_dot rows quantize X and W (and dY) inside the timed call; GEMM rows use pre-quantized operands.")
   print(f"{meta['device']}  jax {meta['jax']}  {meta['date']}  M={m}")
   print(rows.table())
@@ -349,13 +346,7 @@ def run_compile(args: argparse.Namespace) -> None:
 
 def run_quantize(args: argparse.Namespace) -> None:
   """The `quantize` subcommand: fp4jax.kernels.bench_quantize.main(remaining arguments)."""
-  try:
-    mod = importlib.import_module("fp4jax.kernels.bench_quantize")
-  except ModuleNotFoundError as e:
-    if e.name != "fp4jax.kernels.bench_quantize":
-      raise
-    sys.exit("fp4jax.kernels.bench_quantize is missing: the fused-quantizer benchmark is not written yet")
-  mod.main(args.rest)
+  bench_quantize.main(args.rest)
 
 
 def _add_dot_args(p: argparse.ArgumentParser) -> None:
@@ -368,6 +359,8 @@ def _add_dot_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--no-check", dest="check", action="store_false", help="skip the fp8 vs emulated check")
   p.add_argument("--no-gemm-rows", dest="gemm_rows", action="store_false",
                  help="time only bf16 dot and the fp4_dot rows (skip the pre-quantized GEMM rows)")
+  p.add_argument("--unfused", action="store_true",
+                 help="time each quantized route again with XLA's reference quantizers (fused quantizer off)")
   p.add_argument("--out", help="write all numbers as JSON here")
 
 

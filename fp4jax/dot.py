@@ -30,6 +30,7 @@ anything else falls back to `reference.quantize` compiled by XLA.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -59,6 +60,8 @@ class _Plan:
   x_dtype: np.dtype
   w_dtype: np.dtype
   out_dtype: np.dtype
+  quantizer: str  # `_quantizer_mode()` at the call: part of the static key, so traces of one mode are not
+  # reused in another (JAX caches custom_vjp traces by their static arguments)
 
 
 def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | None = None,
@@ -95,7 +98,8 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return jnp.dot(x, w, preferred_element_type=out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
-  plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype))
+  plan = _Plan(route, impl, np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype),
+               _quantizer_mode())
   x, w = _vary_alike(x, w, key)
   y = _dot2d(plan, x.reshape(m, k), w, key)  # [M, N]
   return y.reshape(*lead, n)
@@ -142,11 +146,12 @@ def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
                            f"{mult} ({role}: {reason})")
 
 
-def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str) -> Operand:
-  """One GEMM operand (`role`, e.g. "fprop_x") from a 2-D array `v`, reduced along `axis`, K-major (`axis` last)."""
+def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str, quantizer: str) -> Operand:
+  """One GEMM operand (`role`, e.g. "fprop_x") from a 2-D array `v`, reduced along `axis`, K-major (`axis` last);
+  `quantizer` a `_quantizer_mode()`."""
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
-  views = _fused_views(v, spec, spec, key, (role, role))  # one recipe on both views: keep ours
+  views = _fused_views(v, spec, spec, key, (role, role), quantizer)  # one recipe on both views: keep ours
   if views is not None:
     return views[0] if axis == 1 else views[1]
   if spec.transform is not None:
@@ -156,17 +161,17 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: s
 
 
 def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array,
-                   roles: tuple[str, str]) -> tuple[Operand, Operand]:
+                   roles: tuple[str, str], quantizer: str) -> tuple[Operand, Operand]:
   """The two operands read from one 2-D array: `v` along axis 1 (`row`, K-major [R, C]) and along axis 0
   (`col`, K-major [C, R]), e.g. X for fprop and wgrad, dY for dgrad and wgrad, W for dgrad and fprop.
 
   Where a fused quantizer covers both recipes (each with its own rounding and key), one pass over `v` writes
   both; otherwise each is prepared on its own.
   """
-  views = _fused_views(v, row, col, key, roles)
+  views = _fused_views(v, row, col, key, roles, quantizer)
   if views is not None:
     return views
-  return _prepare(v, row, 1, key, roles[0]), _prepare(v, col, 0, key, roles[1])
+  return _prepare(v, row, 1, key, roles[0], quantizer), _prepare(v, col, 0, key, roles[1], quantizer)
 
 
 def _mx_views(v, row: OperandSpec, col: OperandSpec, keys: dict, interpret: bool):
@@ -193,20 +198,17 @@ _FUSED_VIEWS = {"mxfp4": _mx_views, "nvfp4": _nv_views, "nvfp4_tile": _nv_views}
 
 
 def _fused_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array,
-                 roles: tuple[str, str]) -> tuple[QTensor, QTensor] | None:
+                 roles: tuple[str, str], quantizer: str) -> tuple[QTensor, QTensor] | None:
   """Both views of `v` from one fused-quantizer pass (bit for bit the reference's), or None if none covers
   them. A transform is covered only where the kernel applies it itself (on the column view)."""
   fused = _FUSED_VIEWS.get(row.fmt)
-  if not _fused_quantizer_on() or fused is None or row.fmt != col.fmt or row.tile_2d != col.tile_2d:
-    return None
-  if FUSED_QUANTIZER == "gpu" and ((row.fmt != "mxfp4" and not FUSED_NVFP4_ON_GPU) or
-                                   ((row.transform or col.transform) and not FUSED_HADAMARD_ON_GPU)):
+  if quantizer == "xla" or fused is None or row.fmt != col.fmt or row.tile_2d != col.tile_2d:
     return None
   row_key, col_key = (_rounding_key(s, key, role) for s, role in zip((row, col), roles))
   if roles[0] == roles[1]:
     col_key = row_key  # one recipe for both views: the same bits
   keys = dict(row_key=row_key, col_key=col_key, transform_key=_transform_key(col, key, roles[1]))
-  return fused(v, row, col, keys, FUSED_QUANTIZER == "interpret")
+  return fused(v, row, col, keys, quantizer == "interpret")
 
 
 def _gemm_of(role: str) -> str:
@@ -226,19 +228,30 @@ def _rounding_key(spec: OperandSpec, key: jax.Array, role: str) -> jax.Array | N
 
 
 # Where the fused Pallas quantizers replace `reference.quantize` (same bits): "gpu" (on a GPU backend, the
-# default), "interpret" (everywhere, in Pallas interpret mode: tests), or "off".
+# default), "interpret" (everywhere, in Pallas interpret mode: tests), or "xla" (XLA's reference quantizers).
 FUSED_QUANTIZER = "gpu"
-# Opt-in paths of the "gpu" mode ("interpret" uses every path), until measured on a GPU in their current
-# form (docs/BENCHMARKS.md). The NVFP4 kernel (`quantize_fused_nv`) ran in fp4_dot on an H200 but has been
-# checked bit for bit only in interpret mode. The MXFP4 kernel's Hadamard column view, in an earlier form, was
-# bitwise right on an H200 and made mxfp4_h32's forward+backward 1.24x faster at 16384x4096->14336, but took
-# ~50 s per instance to compile; its current form compiles ~20x faster (Triton on CPU) and is unmeasured there.
-FUSED_NVFP4_ON_GPU = False
-FUSED_HADAMARD_ON_GPU = False
+FUSED_QUANTIZER_MODES = ("gpu", "interpret", "xla")
 
 
-def _fused_quantizer_on() -> bool:
-  return FUSED_QUANTIZER == "interpret" or (FUSED_QUANTIZER == "gpu" and jax.default_backend() == "gpu")
+@contextlib.contextmanager
+def fused_quantizer(mode: str):
+  """`FUSED_QUANTIZER` set to `mode` while inside. fp4_dot reads it when it traces, so trace inside, and not
+  a jitted function already traced in another mode: jit reuses its trace for the same function object."""
+  global FUSED_QUANTIZER
+  if mode not in FUSED_QUANTIZER_MODES:
+    raise ValueError(f"fused quantizer mode {mode!r}: expected one of {FUSED_QUANTIZER_MODES}")
+  saved, FUSED_QUANTIZER = FUSED_QUANTIZER, mode
+  try:
+    yield
+  finally:
+    FUSED_QUANTIZER = saved
+
+
+def _quantizer_mode() -> str:
+  """How this call quantizes: "kernel" (the fused kernels, compiled), "interpret" or "xla" (reference only)."""
+  if FUSED_QUANTIZER == "gpu":
+    return "kernel" if jax.default_backend() == "gpu" else "xla"
+  return FUSED_QUANTIZER
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -278,32 +291,33 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: str | None) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dot2d(plan: _Plan, x, w, key):
   r = plan.route
-  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x")  # [M, K]
-  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")  # K-major [N, K]
+  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.quantizer)  # [M, K]
+  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.quantizer)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
 def _dot2d_fwd(plan: _Plan, x, w, key):
   r = plan.route
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
-    xa = _prepare(x, r.fprop_x, 1, key, "fprop_x")  # [M, K]
-    wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")  # K-major [N, K]
-    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, key, "wgrad_x")  # K-major [K, M]
-    w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, key, "dgrad_w")  # K-major [K, N]
+    xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.quantizer)  # [M, K]
+    wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.quantizer)  # K-major [N, K]
+    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, key, "wgrad_x", plan.quantizer)  # K-major [K, M]
+    w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, key, "dgrad_w", plan.quantizer)  # K-major [K, N]
   else:
-    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, key, ("fprop_x", "wgrad_x"))
+    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, key, ("fprop_x", "wgrad_x"), plan.quantizer)
     if _reuses_fprop_w(r):
-      wb = _prepare(w, r.fprop_w, 0, key, "fprop_w")
+      wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.quantizer)
       w_dgrad = other_orientation(wb)
     else:
-      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, key, ("dgrad_w", "fprop_w"))
+      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, key, ("dgrad_w", "fprop_w"), plan.quantizer)
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (x_wgrad, w_dgrad, key)
 
 
 def _dot2d_bwd(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
-  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, key, ("dgrad_dy", "wgrad_dy"))  # [M, N], [N, M]
+  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, key, ("dgrad_dy", "wgrad_dy"),
+                              plan.quantizer)  # [M, N], [N, M]
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
   return dx, dw, None

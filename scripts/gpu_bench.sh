@@ -2,7 +2,7 @@
 # The H200 measurements in docs/BENCHMARKS.md, in one GPU session (run from the repo root on the GPU machine,
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
-# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.fused_nvfp4=true --set run.routes=[nvfp4_tile_local]")
+# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.fused_quantizer=xla --set run.routes=[nvfp4_tile_local]")
 # parts: tests quantize dot compile train (default: all but compile). Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests compile the Hadamard kernel (~50 s per instance), the
 # train part compiles each route before its steps. Run the parts that fit in separate calls.

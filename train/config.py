@@ -108,10 +108,15 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Opt-in fused quantizer paths on GPUs (`fp4jax.dot.FUSED_NVFP4_ON_GPU`, `FUSED_HADAMARD_ON_GPU`): the
-  NVFP4 kernel and MXFP4's fused H16/H32 wgrad view, not yet checked on a GPU in their current form."""
-  fused_nvfp4: bool = False
-  fused_hadamard: bool = False
+  """`fused_quantizer`: where fp4_dot's fused Pallas quantizers replace XLA's reference quantizers (same bits):
+  "gpu" (on GPUs, the default), "xla" (XLA's quantizers everywhere, e.g. to measure what the kernels buy),
+  "interpret" (Pallas interpret mode, slow: tests). `fp4jax.dot.FUSED_QUANTIZER`."""
+  fused_quantizer: str = "gpu"
+
+  def __post_init__(self):
+    from fp4jax import dot  # pylint: disable=g-import-not-at-top
+    modes = dot.FUSED_QUANTIZER_MODES
+    _check_counts("kernels", self, {"fused_quantizer": (lambda v: v in modes, f"one of {modes}")})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,14 +321,10 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
 
 @contextlib.contextmanager
 def fused_paths(kernels: config_lib.KernelConfig):
-  """`kernels`' opt-in fused quantizer paths switched on in fp4jax.dot while inside (read when a step traces)."""
+  """`kernels.fused_quantizer` in effect in fp4jax.dot while inside (read when a step traces)."""
   from fp4jax import dot  # pylint: disable=g-import-not-at-top
-  saved = dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU
-  dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU = kernels.fused_nvfp4, kernels.fused_hadamard
-  try:
+  with dot.fused_quantizer(kernels.fused_quantizer):
     yield
-  finally:
-    dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU = saved
 
 
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ def test_fused_quantizer_matches_reference_in_fp4_dot(route, monkeypatch):
   kx, kw, kk = jax.random.split(jax.random.key(7), 3)
   x = jax.random.normal(kx, (64, 64), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(kw, (64, 32), jnp.float32) * 0.1).astype(jnp.bfloat16)
-  monkeypatch.setattr(dot, "FUSED_QUANTIZER", "off")
+  monkeypatch.setattr(dot, "FUSED_QUANTIZER", "xla")
   ref = _value_and_grads(route, x, w, kk)
   monkeypatch.setattr(dot, "FUSED_QUANTIZER", "interpret")
   out = _value_and_grads(route, x, w, kk)
@@ -86,20 +86,47 @@ def test_fused_launches_per_route(route, monkeypatch):
   assert _pallas_launches(jaxpr.jaxpr) == LAUNCHES[route]
 
 
-@pytest.mark.parametrize("opt_in", [False, True])
-def test_gpu_mode_opt_in_paths(opt_in, monkeypatch):
-  """On a GPU, the NVFP4 kernel and the fused Hadamard column view are used only when opted in (traced here
-  with the backend reported as "gpu"; nothing is compiled)."""
+@pytest.mark.parametrize("mode", ["gpu", "xla"])
+def test_gpu_mode_uses_every_kernel_and_off_none(mode, monkeypatch):
+  """On a GPU backend ("gpu", the default) every covered route quantizes through the kernels, Hadamard views
+  included; "xla" leaves all of it to XLA (traced with the backend reported as "gpu"; nothing is compiled)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(dot, "FUSED_NVFP4_ON_GPU", opt_in)
-  monkeypatch.setattr(dot, "FUSED_HADAMARD_ON_GPU", opt_in)
   xla_hadamards = []
   monkeypatch.setattr(dot, "hadamard", lambda *a, **k: xla_hadamards.append(k) or dot_hadamard(*a, **k))
   x = w = g = jnp.ones((128, 128), jnp.bfloat16)
   key = jax.random.key(0)
   trace = lambda route: jax.make_jaxpr(lambda x, w: jax.vjp(
       lambda x, w: dot.fp4_dot(x, w, route=route, key=key), x, w)[1](g))(x, w).jaxpr
-  assert _pallas_launches(trace("nvfp4_tile_local")) == (3 if opt_in else 0)
-  assert _pallas_launches(trace("mxfp4_h32")) == 3
-  assert _pallas_launches(trace("nvfp4")) == (3 if opt_in else 0)
-  assert len(xla_hadamards) == (0 if opt_in else 4)  # X's and dY's wgrad views (H32, RHT16) in XLA
+  with dot.fused_quantizer(mode):
+    launches = {route: _pallas_launches(trace(route)) for route in ("nvfp4_tile_local", "mxfp4_h32", "nvfp4")}
+  assert launches == dict.fromkeys(launches, 3 if mode == "gpu" else 0)
+  assert len(xla_hadamards) == (0 if mode == "gpu" else 4)  # X's and dY's wgrad views (H32, RHT16) in XLA
+
+
+def test_fused_quantizer_mode_is_checked():
+  with pytest.raises(ValueError, match="fused quantizer mode 'on'"):
+    with dot.fused_quantizer("on"):
+      pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local"])
+def test_gpu_fused_paths_match_reference_in_fp4_dot(route):
+  """Compiled on the GPU: the output and both input gradients equal those of the XLA reference quantizers
+  ("xla") bit for bit (same operand bits, same GEMMs), and the kernels did run."""
+  kx, kw, kd, kk = jax.random.split(jax.random.key(17), 4)
+  x = jax.random.normal(kx, (1024, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (512, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (1024, 768), jnp.float32).astype(jnp.bfloat16)
+
+  def fwd_bwd(x, w, dy):  # a new function per mode below: jit caches traces by the function object
+    y, vjp = jax.vjp(lambda x, w: dot.fp4_dot(x, w, route=route, key=kk), x, w)
+    return y, *vjp(dy)
+
+  with dot.fused_quantizer("xla"):
+    ref = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)
+  with dot.fused_quantizer("gpu"):
+    assert _pallas_launches(jax.make_jaxpr(lambda *a: fwd_bwd(*a))(x, w, dy).jaxpr) == 3
+    out = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)
+  for a, b in zip(ref, out):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -69,12 +69,13 @@ def test_cli_rejects_bad_override(capsys):
   assert e.value.code == 2 and "unknown key(s) ['optim.lrr']" in capsys.readouterr().err
 
 
-def test_kernel_opt_ins_reach_fp4_dot_only_inside_the_run():
+def test_fused_quantizer_mode_reaches_fp4_dot_only_inside_the_run():
   from fp4jax import dot
   from train import train
-  cfg = config.load_config(None, ["kernels.fused_hadamard=true"])
-  assert (cfg.kernels.fused_nvfp4, cfg.kernels.fused_hadamard) == (False, True)
-  before = dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU
+  cfg = config.load_config(None, ["kernels.fused_quantizer=xla"])
+  before = dot.FUSED_QUANTIZER
   with train.fused_paths(cfg.kernels):
-    assert (dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU) == (False, True)
-  assert (dot.FUSED_NVFP4_ON_GPU, dot.FUSED_HADAMARD_ON_GPU) == before
+    assert dot.FUSED_QUANTIZER == "xla"
+  assert dot.FUSED_QUANTIZER == before
+  with pytest.raises(config.ConfigError, match="kernels.fused_quantizer='cuda' must be one of"):
+    config.load_config(None, ["kernels.fused_quantizer=cuda"])
