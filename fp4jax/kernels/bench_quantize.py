@@ -52,6 +52,9 @@ VARIANTS = (
     ("nv dY sr|rne", dict(nv=("nvfp4", "sr", "rne")), None),
     ("nvtile rne|rne", dict(nv=("nvfp4_tile", "rne", "rne")), None),  # tile-local NVFP4
     ("nvtile dY sr|rne", dict(nv=("nvfp4_tile", "sr", "rne")), None),
+    ("nv X rne|rne+rht16", dict(nv=("nvfp4", "rne", "rne"), col_transform="rht16"), None),  # the nvfp4 route's X
+    ("nv dY sr|sr+rht16", dict(nv=("nvfp4", "sr", "sr"), col_transform="rht16"), None),  # and its dY
+    ("nv W 16x16", dict(nv=("nvfp4", "rne", "rne"), tile_2d=True), None),  # and its W
     ("rne 64x128w8", dict(rounding="rne", scale_rule="ocp"), QuantTile(64, 128, num_warps=8)),
     ("rne 32x256w4", dict(rounding="rne", scale_rule="ocp"), QuantTile(32, 256, num_warps=4)),
     ("sr 64x64w4", dict(rounding="sr", scale_rule="noclip"), QuantTile(64, 64, num_warps=4)),
@@ -78,10 +81,14 @@ def _nbytes(tree) -> int:
 
 
 def _reference_dual(x, key, fp8=False, views=None, nv=None, **opts):
-  if nv is not None:
+  if nv is not None:  # opts: tile_2d (both views draw the row key's bits) or col_transform
     fmt, *roundings = nv
-    return tuple(reference.quantize(x, fmt, axis=axis, rounding=r, key=k)
-                 for axis, r, k in zip((-1, 0), roundings, _view_keys(key)))
+    row_key, col_key = _view_keys(key)
+    keys = (row_key, row_key if opts.get("tile_2d") else col_key)
+    xs = (x, hadamard(x, opts["col_transform"], axis=0, key=_transform_key(key))
+          if opts.get("col_transform") else x)
+    return tuple(reference.quantize(a, fmt, axis=axis, rounding=r, key=k, tile_2d=opts.get("tile_2d", False))
+                 for a, axis, r, k in zip(xs, (-1, 0), roundings, keys))
   if views is not None:  # quantize_views: each view its recipe and key
     row_v, col_v = views
     xc = hadamard(x, col_v.transform, axis=0) if col_v.transform else x
@@ -97,12 +104,21 @@ def _view_keys(key):
   return jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
 
 
+def _transform_key(key):
+  return jax.random.fold_in(key, 3)
+
+
 def _fused(x, key, tile, interpret, views=None, nv=None, **opts):
   if nv is not None:
     fmt, row_rounding, col_rounding = nv
     row_key, col_key = _view_keys(key)
+    if opts.get("tile_2d"):
+      col_key = row_key
+    if opts.get("col_transform"):
+      opts = dict(opts, transform_key=_transform_key(key))
     return quantize_fused_nv.quantize_dual_nv(x, fmt, row_rounding=row_rounding, col_rounding=col_rounding,
-                                              row_key=row_key, col_key=col_key, tile=tile, interpret=interpret)
+                                              row_key=row_key, col_key=col_key, tile=tile, interpret=interpret,
+                                              **opts)
   if views is not None:
     row_key, col_key = _view_keys(key)
     return quantize_fused.quantize_views(x, *views, row_key=row_key, col_key=col_key, tile=tile,
