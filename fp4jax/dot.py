@@ -60,8 +60,8 @@ class _Plan:
   x_dtype: np.dtype
   w_dtype: np.dtype
   out_dtype: np.dtype
-  quantizer: str  # `_quantizer_mode()` at the call: part of the static key, so traces of one mode are not
-  # reused in another (JAX caches custom_vjp traces by their static arguments)
+  quantizer: str  # `_quantizer_mode()` read once at the call, so the backward (traced later, when the vjp is
+  # applied) quantizes dY the way the forward was set up to, whatever FUSED_QUANTIZER is by then
 
 
 def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | None = None,

@@ -130,3 +130,17 @@ def test_gpu_fused_paths_match_reference_in_fp4_dot(route):
     out = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)
   for a, b in zip(ref, out):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_backward_keeps_the_mode_of_the_call(monkeypatch):
+  """The vjp applied after leaving `fused_quantizer` still quantizes dY in the mode fp4_dot was called in."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  x = w = g = jnp.ones((128, 128), jnp.bfloat16)
+  key = jax.random.key(0)
+
+  def trace(x, w, g):
+    with dot.fused_quantizer("xla"):
+      _, vjp = jax.vjp(lambda x, w: dot.fp4_dot(x, w, route="mxfp4", key=key), x, w)
+    return vjp(g)  # back in the default "gpu" mode
+
+  assert _pallas_launches(jax.make_jaxpr(trace)(x, w, g).jaxpr) == 0
