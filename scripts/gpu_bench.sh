@@ -26,12 +26,12 @@ for part in "${parts[@]}"; do
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m fp4jax.bench quantize --out "$OUT/quantize" \
-        --variants "${QUANTIZE_VARIANTS:-rne/ocp,sr/noclip,w32x32/noclip/0.87,views dY sr|rne,nv rne|rne,nv dY sr|rne,nvtile rne|rne}" \
+        --variants "${QUANTIZE_VARIANTS:-rne/ocp,w32x32/noclip/0.87,views dY sr|rne,views X rne|rne+h32,views dY sr|rne+h32,nv rne|rne,nv dY sr|rne,nvtile rne|rne,nvtile dY sr|rne,nv X rne|rne+rht16,nv dY sr|sr+rht16,nv W 16x16}" \
         2>&1 | tail -60 ;;
     dot)
       log "fp4_dot bench (Llama-8B shapes, M=16384)"
-      XLA_FLAGS=$DOT_FLAGS timeout ${DOT_LIMIT:-300} python3 -m fp4jax.bench dot --no-gemm-rows --iters 10 \
-        --no-check --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
+      XLA_FLAGS=$DOT_FLAGS timeout ${DOT_LIMIT:-400} python3 -m fp4jax.bench dot --no-gemm-rows --iters 10 \
+        --no-check --unfused --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
         2>&1 | grep -v "compiling and timing" | tail -60 ;;
     compile)
       log "fp4_dot compile time, default XLA flags vs $DOT_FLAGS"
