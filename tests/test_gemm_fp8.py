@@ -2,6 +2,9 @@
 GEMM equals the emulated product up to float32 accumulation order."""
 
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,6 +224,16 @@ def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   table = capsys.readouterr().out
   assert rc == 0 and "fused views dY sr|rne" in table and "fused nv dY sr|rne" in table
   assert "MISMATCH" not in table
+
+
+def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones(capsys):
+  from fp4jax.kernels import bench_quantize  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    bench_quantize.main(["--interpret", "--variants", "rne/ocp,nv rne|rnee"])
+  assert "unknown variants ['nv rne|rnee']" in capsys.readouterr().err
+  script = open(os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_bench.sh")).read()
+  default = re.search(r"QUANTIZE_VARIANTS:-([^}]*)\}", script).group(1).split(",")
+  assert set(default) <= {v[0] for v in bench_quantize.VARIANTS}
 
 
 def test_bench_quantize_passes_arguments_through(monkeypatch):

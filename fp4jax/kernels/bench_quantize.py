@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
   args = parser.parse_args(argv)
   shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
-  wanted = set(args.variants.split(","))
+  wanted = args.variants.split(",")
+  unknown = sorted(set(wanted) - {v[0] for v in VARIANTS})
+  if unknown:
+    parser.error(f"unknown variants {unknown}; known: {', '.join(v[0] for v in VARIANTS)}")
   variants = [v for v in VARIANTS if v[0] in wanted]
   print(f"devices: {jax.devices()}", flush=True)
   log: list = []
