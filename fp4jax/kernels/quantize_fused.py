@@ -421,28 +421,36 @@ def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int):
   return rc.reshape(m, k // 2), rs.reshape(m, k // block), cc.reshape(k, m // 2), cs.reshape(k, m // block)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
+def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
+                   name: str):
+  """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
+
+  The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x as uint32 words of two bf16
+  neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then `view_outputs`' four
+  outputs; returns the row codes, row scales, column codes and column scales in the QTensor layouts.
+  """
   m, k = x.shape
-  t = cfg.tile
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  in_specs = [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2), lambda i, j: (i, 0, j))]
-  args = [xw]
-  if cfg.needs_params:
-    in_specs.insert(0, pl.BlockSpec((5,), lambda i, j: (0,)))
-    args.insert(0, params)
-  out_shape, out_specs = view_outputs(m, k, t, 32)
+  out_shape, out_specs = view_outputs(m, k, t, block)
   outs = pl.pallas_call(
-      functools.partial(_dual_kernel, cfg=cfg, k=k),
+      kernel,
       out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),
-      in_specs=in_specs,
+      in_specs=[spec for _, spec in params] + [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2),
+                                                            lambda i, j: (i, 0, j))],
       out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-      interpret=cfg.interpret,
-      name=KERNEL_NAME,
-  )(*args)
-  return view_arrays(*outs, m, k, 32)
+      interpret=interpret,
+      name=name,
+  )(*[a for a, _ in params], xw)
+  return view_arrays(*outs, m, k, block)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
+  extra = [(params, pl.BlockSpec((5,), lambda i, j: (0,)))] if cfg.needs_params else []
+  return dual_view_call(functools.partial(_dual_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, 32, extra,
+                        interpret=cfg.interpret, name=KERNEL_NAME)
 
 
 def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]:

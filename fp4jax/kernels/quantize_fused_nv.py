@@ -62,7 +62,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from fp4jax import hadamard, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
@@ -327,28 +326,11 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, cfg: NvDualConfig):
-  m, k = x.shape
-  t = cfg.tile
-  h, w = t.block_m // 2, t.block_k // 2
-  xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  out_shape, out_specs = quantize_fused.view_outputs(m, k, t, BLOCK)
-  in_specs = [
-      pl.BlockSpec((5,), lambda i, j: (0,)),
-      pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0)),
-      pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)),
-      pl.BlockSpec((h, 2, w), lambda i, j: (i, 0, j)),
-  ]
-  outs = pl.pallas_call(
-      functools.partial(_nv_kernel, cfg=cfg, k=k),
-      out_shape=out_shape,
-      grid=(m // t.block_m, k // t.block_k),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
-      interpret=cfg.interpret,
-      name=KERNEL_NAME,
-  )(seeds, prow, pcol, xw)
-  return quantize_fused.view_arrays(*outs, m, k, BLOCK)
+  params = [(seeds, pl.BlockSpec((5,), lambda i, j: (0,))),
+            (prow, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0))),
+            (pcol, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)))]
+  return quantize_fused.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
+                                       params, interpret=cfg.interpret, name=KERNEL_NAME)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
