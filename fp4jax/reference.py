@@ -49,7 +49,7 @@ Conventions (the contract the kernels reproduce):
     The SR decision exposes every ulp of t, so t must be bit-exact: XLA's FMA contraction of the products into the
     sum, or its x * (1 / d) for the divisions, changed t in 29% of the groups (measured on CPU) and the scale in
     1 group of 516,096 (tests/test_reference.py::test_eden_scale_regression).
-  * Divisions are correctly rounded IEEE divisions by a computed value (`_div`: `ieee.div`, integer long
+  * Divisions are correctly rounded IEEE divisions by a computed value (`ieee.div`, integer long
     division of the significands; by a power of two, `ieee.div_pow2`); a constant divisor is written as a
     multiplication by its float32 reciprocal. XLA's own `/` will not do: its simplifier rewrites x / c into
     x * (1 / c), a / (b / c) into (a * c) / b (measured: a third of x / 6 change on CPU) and a / broadcast(b)
@@ -154,11 +154,6 @@ def e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
 def pow2(e: jax.Array) -> jax.Array:
   """float32 2**e for int32 e in [-126, 127], built from the exponent bits (exact on every backend)."""
   return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32), jnp.float32)
-
-
-def _div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a / b, correctly rounded on every backend (`ieee.div`; the module docstring says why not `/`)."""
-  return ieee.div(a, b)
 
 
 def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
@@ -291,8 +286,13 @@ _OUTER_AMAX: dict[str, Callable] = {"tensor": _tensor_amax, "row_tile": _row_til
 
 def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
   """S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max; NaN stays NaN)."""
-  s = _div(jnp.float32(scale_max * E2M1_MAX), jnp.where(amax == 0, 1.0, amax))
+  s = ieee.div(jnp.float32(scale_max * E2M1_MAX), jnp.where(amax == 0, 1.0, amax))
   return jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))
+
+
+def nvfp4_outer(s_enc: jax.Array) -> jax.Array:
+  """The FP32 outer (decode) factor 1 / S_enc, NaN where S_enc is not finite."""
+  return jnp.where(jnp.isfinite(s_enc), ieee.div(jnp.float32(1.0), s_enc), jnp.nan)
 
 
 @functools.cache
@@ -317,7 +317,7 @@ def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom:
 def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
   """x * enc_b with enc_b = S_enc / s_b (0 when s_b = 0), in E2M1 units, clamped to +-6."""
   sf = ieee.e4m3_to_f32(s_b)
-  enc = jnp.where(sf == 0, 0.0, jnp.minimum(_div(s_enc, jnp.where(sf == 0, 1.0, sf)), _F32_MAX))
+  enc = jnp.where(sf == 0, 0.0, jnp.minimum(ieee.div(s_enc, jnp.where(sf == 0, 1.0, sf)), _F32_MAX))
   return jnp.clip(xb * enc[..., None], -E2M1_MAX, E2M1_MAX)
 
 
@@ -352,8 +352,7 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   else:
     s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom)
   codes = _encode(_nv_scaled(xb, s_b, s_enc_b), cfg, u)
-  outer = jnp.where(jnp.isfinite(s_enc), _div(jnp.float32(1.0), s_enc), jnp.nan)
-  return _Result(codes, s_b, outer, bad)
+  return _Result(codes, s_b, nvfp4_outer(s_enc), bad)
 
 
 def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -367,15 +366,15 @@ def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax
   bad = jnp.repeat(bad.reshape(*lead, nb // per_group, per_group).any(-1), per_group, axis=-1)
   bad = bad | ~jnp.isfinite(s_dec)
   amax_b = jnp.where(bad, 0.0, jnp.max(jnp.abs(xb), axis=-1))  # [..., nb]
-  s_b = ieee.e4m3_to_f32(e4m3_rn(jnp.minimum(_div(amax_b * jnp.float32(1 / EDEN_VAL_MAX), s_dec), E4M3_MAX)))
+  s_b = ieee.e4m3_to_f32(e4m3_rn(jnp.minimum(ieee.div(amax_b * jnp.float32(1 / EDEN_VAL_MAX), s_dec), E4M3_MAX)))
   s_b = jnp.where(s_b == 0, 1.0, s_b)
-  ys = _div(xb, (s_b * s_dec)[..., None])  # [..., nb, B]
+  ys = ieee.div(xb, (s_b * s_dec)[..., None])  # [..., nb, B]
   codes = e2m1_encode_rne(ys)
   q = e2m1_decode(codes)
   groups = (*lead, nb // per_group, EDEN_GROUP)
   num = _tree_sum((ys * ys).reshape(groups), -1)  # [..., n / 128]
   den = _tree_sum((ys * q).reshape(groups), -1)
-  c = jnp.where(den == 0, 1.0, _div(num, jnp.where(den == 0, 1.0, den)))
+  c = jnp.where(den == 0, 1.0, ieee.div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.minimum(s_b * jnp.repeat(c, per_group, axis=-1), E4M3_MAX)  # [..., nb]
   return codes, jnp.where(bad, 1.0, t), s_dec, bad
 
@@ -498,7 +497,7 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   scale = _decode_scales(like.scales, spec)  # [..., nb]
   if like.outer is not None:
     scale = scale * (like.outer if like.outer.ndim == 0 else like.outer[..., None])
-  v = _div(xk.reshape(*lead, n // spec.block, spec.block), scale[..., None])
+  v = ieee.div(xk.reshape(*lead, n // spec.block, spec.block), scale[..., None])
   codes = jnp.where(jnp.isnan(scale)[..., None], jnp.uint8(0), e2m1_encode_rne(jnp.clip(v, -E2M1_MAX, E2M1_MAX)))
   return dataclasses.replace(like, codes=pack_codes(codes.reshape(*lead, n)))
 

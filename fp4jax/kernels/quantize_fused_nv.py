@@ -16,7 +16,7 @@ Two passes over x, with an explicit synchronisation between them:
      may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
      is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
      rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
-     q_j = S_enc / (1 + j/8), j = 0..7 (`reference._div`, correctly rounded).
+     q_j = S_enc / (1 + j/8), j = 0..7 (`ieee.div`, correctly rounded).
   2. the Pallas kernel: per block, amax_b from |x|'s float32 bits; s_b = e4m3_RN(min(amax_b * g, 448)) by bit
      arithmetic (RNE on the float32 bits for normal E4M3, t * 2^9 rounded to an integer by the add of 2^23 for
      subnormal); enc_b = S_enc / s_b; codes from |x| * enc_b clamped to 6 (`quantize_fused.encode_rne/_sr`).
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4jax import hadamard, prng, reference
+from fp4jax import hadamard, ieee, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
 from fp4jax.kernels import quantize_fused
 from fp4jax.kernels.tiling import QuantTile, default_tile
@@ -190,10 +190,10 @@ def _view_params(amax: jax.Array, rounding: str, step: int) -> tuple[jax.Array, 
   """
   headroom = reference.NV_HEADROOM[rounding]
   s_enc = reference.nvfp4_encode_scale(amax, get_format("nvfp4").scale_max / headroom)
-  outer = jnp.where(jnp.isfinite(s_enc), reference._div(jnp.float32(1.0), s_enc), jnp.nan)
+  outer = reference.nvfp4_outer(s_enc)
   s = s_enc.reshape(-1)[::step] if s_enc.ndim else s_enc.reshape(1)  # [P]
   g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
-  q = reference._div(s[:, None], jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
+  q = ieee.div(s[:, None], jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
   pad = jnp.zeros((s.shape[0], _N_PARAMS - 9), jnp.float32)
   return jnp.concatenate([g[:, None], q, pad], axis=1), outer
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import reference
+from fp4jax import ieee, reference
 from fp4jax.hadamard import hadamard
 from fp4jax.kernels import quantize_fused_nv as qnv
 from fp4jax.kernels.tiling import QuantTile
@@ -240,10 +240,10 @@ def test_block_encode_is_the_exact_quotient(s_enc):
   """q_j * 2^-e equals the reference's correctly rounded S_enc / s_b for every E4M3 s_b (0 -> 0)."""
   sf = jnp.asarray(np.arange(0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32))
   s = jnp.float32(s_enc)
-  params = jnp.concatenate([jnp.zeros((1,)), reference._div(s, jnp.asarray(qnv._MANTISSAS))])[None]  # [1, 9]
+  params = jnp.concatenate([jnp.zeros((1,)), ieee.div(s, jnp.asarray(qnv._MANTISSAS))])[None]  # [1, 9]
   got = qnv._block_encode(sf, params)
   safe = jnp.where(sf == 0, 1.0, sf)
-  want = jnp.where(sf == 0, 0.0, jnp.minimum(reference._div(jnp.broadcast_to(s, sf.shape), safe), 3.4028235e38))
+  want = jnp.where(sf == 0, 0.0, jnp.minimum(ieee.div(jnp.broadcast_to(s, sf.shape), safe), 3.4028235e38))
   np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
