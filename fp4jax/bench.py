@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import re
-import sys
 import time
 import traceback
 from typing import Callable
@@ -349,10 +348,15 @@ def run_quantize(args: argparse.Namespace) -> None:
   bench_quantize.main(args.rest)
 
 
-def _add_dot_args(p: argparse.ArgumentParser) -> None:
+def _add_shape_args(p: argparse.ArgumentParser) -> None:
+  """The options `_selected_shapes` reads, and the routes: shared by `dot` and `compile`."""
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
   p.add_argument("--shapes", type=int, nargs="*", help="indices of the shapes to run (default: all)")
-  p.add_argument("--routes", nargs="*", default=list(DEFAULT_ROUTES), help="fp4_dot routes to time")
+  p.add_argument("--routes", nargs="*", default=list(DEFAULT_ROUTES), help="fp4_dot routes")
+
+
+def _add_dot_args(p: argparse.ArgumentParser) -> None:
+  _add_shape_args(p)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--seed", type=int, default=0)
@@ -364,18 +368,12 @@ def _add_dot_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--out", help="write all numbers as JSON here")
 
 
-def _add_compile_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-  p.add_argument("--shapes", type=int, nargs="*", help="indices of the shapes (default: all)")
-  p.add_argument("--routes", nargs="*", default=list(DEFAULT_ROUTES), help="fp4_dot routes to compile")
-
-
 # name -> (add arguments, run, help). A subcommand without its own arguments (None) gets all of them, unparsed,
 # as `args.rest` (`--help` included).
 SUBCOMMANDS = {
     "dot": (_add_dot_args, run_dot, "GEMMs and fp4_dot at Llama-8B shapes vs bf16 and FP8"),
     "quantize": (None, run_quantize, "the fused quantizer benchmark (fp4jax.kernels.bench_quantize)"),
-    "compile": (_add_compile_args, run_compile, "fp4_dot compile time per route"),
+    "compile": (_add_shape_args, run_compile, "fp4_dot compile time per route"),
 }
 
 
