@@ -4,8 +4,9 @@
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.fused_quantizer=xla --set run.routes=[nvfp4_tile_local]")
 # parts: tests quantize dot compile train (default: all but compile). Logs and results land in $OUT.
-# Limits: one device call allows 600 s; the GPU tests compile the Hadamard kernel (~50 s per instance), the
-# train part compiles each route before its steps. Run the parts that fit in separate calls.
+# Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
+# the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
+# separate calls.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_bench}
 DATA=${DATA:-.gpu/data}
