@@ -304,6 +304,21 @@ class PairIndex:
     return rows, cols
 
 
+def magnitude_and_sign(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(|x| float32 bits, the E2M1 sign bit 8 or 0) of float32 bits."""
+  return bits & _F32_ABS, (bits >> 28) & 8
+
+
+def tile_elements(x_ref) -> tuple[dict, dict, dict]:
+  """(float32 bits, |bits|, sign) of a tile of bf16 pairs [h, 2, w] (uint32 words, the even column in the low
+  half), each a dict of [h, w] arrays keyed (p, q): x[2i + p, 2j + q], p = row parity (which load), q = column
+  parity (which half)."""
+  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
+  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
+  split = {pq: magnitude_and_sign(b) for pq, b in bits.items()}
+  return bits, {pq: ms[0] for pq, ms in split.items()}, {pq: ms[1] for pq, ms in split.items()}
+
+
 def _dual_kernel(*refs, cfg: DualConfig, k: int):
   """One tile of x as bf16 pairs -> both views.
 
@@ -314,11 +329,7 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   """
   seed_ref, (x_ref, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
-  # x[2i + p, 2j + q] as float32 bits: p = row parity (which load), q = column parity (which half).
-  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
-  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
-  mag = {pq: b & _F32_ABS for pq, b in bits.items()}
-  sign = {pq: (b >> 28) & 8 for pq, b in bits.items()}
+  bits, mag, sign = tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = PairIndex(tuple(bits), h, w, k)
   row_r24 = random_bits(seed_ref, 0, index) if cfg.row.rounding == "sr" else dict.fromkeys(bits)
   if cfg.tile_2d:
@@ -399,7 +410,8 @@ def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: ViewSpec):
   parity: `even`, `odd` are the float32 bits [h, w] of rows 2i and 2i + 1; `negative` the sign mask."""
   h, w = even.shape
   even, odd = hadamard_pairs(even, odd, hadamard.KINDS[cfg.transform].n, negative)
-  return _view(even & _F32_ABS, odd & _F32_ABS, (even >> 28) & 8, (odd >> 28) & 8, r24_even, r24_odd,
+  (mag_even, sign_even), (mag_odd, sign_odd) = magnitude_and_sign(even), magnitude_and_sign(odd)
+  return _view(mag_even, mag_odd, sign_even, sign_odd, r24_even, r24_odd,
                (h // 16, 16, w), 1, cfg)
 
 

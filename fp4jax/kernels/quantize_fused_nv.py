@@ -74,7 +74,6 @@ FORMATS = ("nvfp4", "nvfp4_tile")
 ROUNDINGS = ("rne", "sr")
 BLOCK = 16
 
-_F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
 _BF16_ABS = 0x7FFF
 _BF16_INF = 0x7F80
@@ -283,11 +282,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
   """
   h, _, w = x_ref.shape
-  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
-  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
-  mag = {pq: b & _F32_ABS for pq, b in bits.items()}
-  sign = {pq: (b >> 28) & 8 for pq, b in bits.items()}
-
+  bits, mag, sign = quantize_fused.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = quantize_fused.PairIndex(tuple(bits), h, w, k)
 
   def random_bits(view: int, rounding: str):
@@ -316,7 +311,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     for q in range(2):
       bits[0, q], bits[1, q] = quantize_fused.hadamard_pairs(bits[0, q], bits[1, q], n, negative)
       for p in range(2):
-        mag[p, q], sign[p, q] = bits[p, q] & _F32_ABS, (bits[p, q] >> 28) & 8
+        mag[p, q], sign[p, q] = quantize_fused.magnitude_and_sign(bits[p, q])
   for q in range(2):  # column view: blocks of 16 along M = 8 row pairs; column parity q packs rows (2i, 2i+1)
     codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
                           (h // 8, 8, w), 1, pcol_ref, cfg.col_rounding)
