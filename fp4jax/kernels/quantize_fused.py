@@ -275,9 +275,12 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: ViewSpec):
   return row_codes, row_scales, col_codes, col_scales
 
 
-def random_bits(seed_ref, which: int, index) -> dict:
+def random_bits(seed_ref, which: int, index, rounding: str = "sr") -> dict:
   """int32 top 24 hash bits (`prng.hash_bits(...) >> 8`) of each element set of `index` (its position in x),
-  with seed pair `which` (0: row view, 1: column view)."""
+  with seed pair `which` (0: row view, 1: column view); None per set for a view rounding other than "sr"
+  (nothing drawn)."""
+  if rounding != "sr":
+    return dict.fromkeys(index.keys)
   out = {}
   for key_ in index.keys:
     rows, cols = index(key_)
@@ -331,7 +334,7 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   bits, mag, sign = tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = PairIndex(tuple(bits), h, w, k)
-  row_r24 = random_bits(seed_ref, 0, index) if cfg.row.rounding == "sr" else dict.fromkeys(bits)
+  row_r24 = random_bits(seed_ref, 0, index, cfg.row.rounding)
   if cfg.tile_2d:
     row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, row_r24, h, w, cfg.row)
     for p in range(2):
@@ -346,9 +349,8 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
                           (h, w // 16, 16), 2, cfg.row)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/16]
-  col_r24 = dict.fromkeys(bits)
-  if cfg.col.rounding == "sr":
-    col_r24 = row_r24 if cfg.shared_bits else random_bits(seed_ref, 1, index)
+  shared = cfg.shared_bits and cfg.col.rounding == "sr"
+  col_r24 = row_r24 if shared else random_bits(seed_ref, 1, index, cfg.col.rounding)
   if cfg.col.transform:
     negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)  # the Hadamard's sign mask
     for q in range(2):

@@ -285,11 +285,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   bits, mag, sign = quantize_fused.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = quantize_fused.PairIndex(tuple(bits), h, w, k)
 
-  def random_bits(view: int, rounding: str):
-    """int32 24-bit draws per element for a view, keyed by x's row-major flat index like the reference."""
-    return quantize_fused.random_bits(seed_ref, view, index) if rounding == "sr" else dict.fromkeys(bits)
-
-  r24 = random_bits(0, cfg.row_rounding)
+  r24 = quantize_fused.random_bits(seed_ref, 0, index, cfg.row_rounding)
   if cfg.tile_2d:  # one scale per 16x16 tile: 8 row pairs x 8 column pairs; both views draw the row seed's bits
     tiles = (h // 8, 8, w // 8, 8)  # (tile row, row pair, tile column, column pair)
     amax = functools.reduce(jnp.maximum, mag.values()).reshape(tiles)
@@ -304,7 +300,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
                           (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/8]
-  r24 = random_bits(1, cfg.col_rounding)
+  r24 = quantize_fused.random_bits(seed_ref, 1, index, cfg.col_rounding)
   if cfg.col_transform is not None:  # the column view of hadamard(x, axis=0): the same butterfly as MXFP4's
     n = hadamard.KINDS[cfg.col_transform].n
     negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)
