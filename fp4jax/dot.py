@@ -25,7 +25,8 @@ Fused quantization (on a GPU, `FUSED_QUANTIZER`): the two operands read from one
 K) and wgrad (along M), dY for dgrad (along N) and wgrad (along M) -- come from ONE pass of
 `kernels.quantize_fused` (MXFP4) or `kernels.quantize_fused_nv` (NVFP4) where it covers both recipes (each
 with its own rounding, key and a Hadamard on the wgrad view), bit for bit the reference quantizer's numbers;
-anything else falls back to `reference.quantize` compiled by XLA.
+an MS-EDEN operand (quartet2's backward, each view its own rotation) from `kernels.quantize_eden`, one view per
+launch; anything else falls back to `reference.quantize` compiled by XLA.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from fp4jax import kernels
 from fp4jax import route as route_lib
 from fp4jax.formats import FORMATS
 from fp4jax.hadamard import hadamard
-from fp4jax.kernels import gemm_emulated, quantize_fused, quantize_fused_nv
+from fp4jax.kernels import gemm_emulated, quantize_eden, quantize_fused, quantize_fused_nv
 from fp4jax.qtensor import QTensor, pack_codes
 from fp4jax.reference import dequantize, quantize
 from fp4jax.route import OperandSpec, Route
@@ -154,6 +155,11 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: s
   views = _fused_views(v, spec, spec, key, (role, role), quantizer)  # one recipe on both views: keep ours
   if views is not None:
     return views[0] if axis == 1 else views[1]
+  fused = _FUSED_OPERAND.get(spec.rounding)
+  if fused is not None and quantizer != "xla":
+    q = fused(v, spec, axis, key, role, quantizer == "interpret")
+    if q is not None:
+      return q
   if spec.transform is not None:
     v = hadamard(v.astype(jnp.float32), spec.transform, axis=axis, key=_transform_key(spec, key, role))
   return quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=_rounding_key(spec, key, role),
@@ -209,6 +215,20 @@ def _fused_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Arra
     col_key = row_key  # one recipe for both views: the same bits
   keys = dict(row_key=row_key, col_key=col_key, transform_key=_transform_key(col, key, roles[1]))
   return fused(v, row, col, keys, quantizer == "interpret")
+
+
+def _eden_operand(v, spec: OperandSpec, axis: int, key, role: str, interpret: bool):
+  if not quantize_eden.supported(spec.fmt, spec.rounding, shape=v.shape, dtype=v.dtype, axis=axis,
+                                 transform=spec.transform, tile_2d=spec.tile_2d, scale_rule=spec.scale_rule,
+                                 clip_fraction=spec.clip_fraction):
+    return None
+  return quantize_eden.quantize_eden(v, axis=axis, key=_rounding_key(spec, key, role), transform=spec.transform,
+                                     transform_key=_transform_key(spec, key, role), interpret=interpret)
+
+
+# Fused single-view quantizers by rounding, for recipes no dual-view kernel covers (MS-EDEN: one rotation, one
+# group correction per view): (v, spec, axis, key, role, interpret) -> QTensor or None.
+_FUSED_OPERAND = {"eden": _eden_operand}
 
 
 def _gemm_of(role: str) -> str:

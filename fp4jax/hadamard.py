@@ -84,6 +84,18 @@ def negative_mask(kind: str, key: jax.Array | None = None) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.sum(bits, dtype=jnp.uint32), jnp.int32)
 
 
+def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> jax.Array:
+  """uint32 [words] bitmask of `kind`'s -1 signs for any n <= 32 * words: sign r is bit r % 32 of word r // 32
+  (words past n are zero). `negative_mask` for transforms longer than one word (rht128)."""
+  signs = hadamard_signs(kind, key)
+  n = signs.shape[0]
+  if n > 32 * words:
+    raise ValueError(f"negative_words: {kind=} has {n} signs, more than {words} words hold")
+  pos = jnp.arange(n, dtype=jnp.uint32)
+  bits = jnp.where(signs < 0, jnp.uint32(1) << (pos % 32), jnp.uint32(0))
+  return jnp.zeros((words,), jnp.uint32).at[pos // 32].add(bits)
+
+
 def hadamard_matrix(kind: str, key: jax.Array | None = None, *, normalized: bool = True) -> jax.Array:
   """[n, n] float32 matrix M of `kind` (y = M x per block): H_n · diag(signs), times 1/sqrt(n) if `normalized`.
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_SIGN = jnp.uint32(0x80000000)
-_ABS = jnp.uint32(0x7FFFFFFF)
-_EXP_INF = jnp.uint32(0x7F800000)
-_QNAN = jnp.uint32(0x7FC00000)
-_HIDDEN = jnp.uint32(1 << 23)
+_SIGN = np.uint32(0x80000000)
+_ABS = np.uint32(0x7FFFFFFF)
+_EXP_INF = np.uint32(0x7F800000)
+_QNAN = np.uint32(0x7FC00000)
+_HIDDEN = np.uint32(1 << 23)
 _QUOTIENT_BITS = 26  # 24 significand bits, a guard and a round bit; the remainder gives the sticky bit
 
 

@@ -355,12 +355,18 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   return _Result(codes, s_b, nvfp4_outer(s_enc), bad)
 
 
+def eden_decode_scale(amax: jax.Array) -> jax.Array:
+  """MS-EDEN's per-tensor decode scale s_dec = amax * fp32(1 / (255.99 * val_max)) (1 when amax = 0, at least
+  float32 tiny; NaN stays NaN), also the QTensor's outer factor."""
+  s_dec = amax * jnp.float32(1 / (EDEN_AMAX_DIV * EDEN_VAL_MAX))
+  return jnp.where(amax == 0, 1.0, jnp.maximum(s_dec, _F32_TINY))
+
+
 def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """MS-EDEN up to the scale's SR: (codes [..., nb, B], t [..., nb], s_dec, bad [..., nb]) (module docstring)."""
   lead, nb = xb.shape[:-2], xb.shape[-2]
   amax = _amax(xb) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
-  s_dec = amax * jnp.float32(1 / (EDEN_AMAX_DIV * EDEN_VAL_MAX))
-  s_dec = jnp.where(amax == 0, 1.0, jnp.maximum(s_dec, _F32_TINY))
+  s_dec = eden_decode_scale(amax)
   per_group = EDEN_GROUP // xb.shape[-1]
   bad = jnp.any(~jnp.isfinite(xb), axis=-1)  # [..., nb]
   bad = jnp.repeat(bad.reshape(*lead, nb // per_group, per_group).any(-1), per_group, axis=-1)

@@ -23,7 +23,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration  # p
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fp4jax.kernels import quantize_fused as qf, quantize_fused_nv as qnv  # pylint: disable=g-import-not-at-top
+from fp4jax.kernels import quantize_eden as qe, quantize_fused as qf, quantize_fused_nv as qnv, rotate  # pylint: disable=g-import-not-at-top
 
 V = qf.ViewSpec
 KEY = jax.random.key(0)
@@ -37,6 +37,10 @@ KERNELS = {
     "nv dY sr|sr+rht16": lambda x: qnv.quantize_dual_nv(x, "nvfp4", row_rounding="sr", col_rounding="sr",
                                                         row_key=KEY, col_key=KEY, col_transform="rht16",
                                                         transform_key=KEY),
+    # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
+    "eden col rht128": lambda x: qe.quantize_eden(x, axis=0, key=KEY, transform_key=KEY, tensor_amax=1.0),
+    "eden row rht128": lambda x: qe.quantize_eden(x, axis=1, key=KEY, transform_key=KEY, tensor_amax=1.0),
+    "eden amax rht128": lambda x: rotate.rotated_amax(x, "rht128", KEY),
 }
 
 

@@ -3,7 +3,8 @@
 `python -m fp4jax.kernels.bench_quantize [--shapes 16384x4096,...] [--out DIR]` (or `python -m fp4jax.bench
 quantize ...`). For every shape: checks each fused variant bit for bit against the jitted `reference.quantize`
 (both views, codes and scales; "+fp8" variants also against `gemm_fp8.mx_to_fp8`; "views" variants give each
-view its own recipe, as fp4_dot's X and dY passes: `quantize_fused.quantize_views`), then times it, the
+view its own recipe, as fp4_dot's X and dY passes: `quantize_fused.quantize_views`; "eden" variants both
+MS-EDEN views of dY, `quantize_eden`, amax pass included), then times it, the
 XLA-compiled reference producing the same outputs, and a copy of x (`-x`: one read and one write of x, the
 bandwidth ceiling). "to_fp8" rows time `quantize_fp8.mx_to_fp8` alone against `gemm_fp8.mx_to_fp8` (XLA).
 Bytes are the fewest a pass must move: x read once plus every output written once. Prints a table last;
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from fp4jax import reference
 from fp4jax.hadamard import hadamard
-from fp4jax.kernels import gemm_fp8, quantize_fp8, quantize_fused, quantize_fused_nv
+from fp4jax.kernels import gemm_fp8, quantize_eden, quantize_fp8, quantize_fused, quantize_fused_nv
 from fp4jax.kernels.quantize_fp8 import Fp8Tile
 from fp4jax.kernels.quantize_fused import ViewSpec
 from fp4jax.kernels.tiling import QuantTile
@@ -55,6 +56,10 @@ VARIANTS = (
     ("nv X rne|rne+rht16", dict(nv=("nvfp4", "rne", "rne"), col_transform="rht16"), None),  # the nvfp4 route's X
     ("nv dY sr|sr+rht16", dict(nv=("nvfp4", "sr", "sr"), col_transform="rht16"), None),  # and its dY
     ("nv W 16x16", dict(nv=("nvfp4", "rne", "rne"), tile_2d=True), None),  # and its W
+    # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each
+    ("eden dY rht128", dict(eden=dict()), None),
+    ("eden dY rht128 c32w4", dict(eden=dict(block_c=32)), None),
+    ("eden dY rht128 c64w8", dict(eden=dict(block_c=64, num_warps=8)), None),
     ("rne 64x128w8", dict(rounding="rne", scale_rule="ocp"), QuantTile(64, 128, num_warps=8)),
     ("rne 32x256w4", dict(rounding="rne", scale_rule="ocp"), QuantTile(32, 256, num_warps=4)),
     ("sr 64x64w4", dict(rounding="sr", scale_rule="noclip"), QuantTile(64, 64, num_warps=4)),
@@ -80,7 +85,16 @@ def _nbytes(tree) -> int:
   return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def _reference_dual(x, key, fp8=False, views=None, nv=None, **opts):
+def _eden_views(x, key, quantize):
+  """quantize(x, axis, rounding key, transform key) for dY's dgrad view (axis 1) and wgrad view (axis 0)."""
+  return tuple(quantize(x, axis, k, t) for axis, k, t in zip((1, 0), _view_keys(key),
+                                                            (_transform_key(key), jax.random.fold_in(key, 4))))
+
+
+def _reference_dual(x, key, fp8=False, views=None, nv=None, eden=None, **opts):
+  if eden is not None:
+    return _eden_views(x, key, lambda x, axis, k, t: reference.quantize(
+        hadamard(x, "rht128", axis=axis, key=t), "nvfp4", axis=axis, rounding="eden", key=k))
   if nv is not None:  # opts: tile_2d (both views draw the row key's bits) or col_transform
     fmt, *roundings = nv
     row_key, col_key = _view_keys(key)
@@ -108,7 +122,10 @@ def _transform_key(key):
   return jax.random.fold_in(key, 3)
 
 
-def _fused(x, key, tile, interpret, views=None, nv=None, **opts):
+def _fused(x, key, tile, interpret, views=None, nv=None, eden=None, **opts):
+  if eden is not None:
+    return _eden_views(x, key, lambda x, axis, k, t: quantize_eden.quantize_eden(
+        x, axis=axis, key=k, transform="rht128", transform_key=t, interpret=interpret, **eden))
   if nv is not None:
     fmt, row_rounding, col_rounding = nv
     row_key, col_key = _view_keys(key)
@@ -200,7 +217,7 @@ def _check_and_time(label, opts, tile, x, key, interpret, xla_times, rows, copy_
   bad = _mismatches(got, ref(x, key))
   ok = "ok" if not any(bad.values()) else f"MISMATCH {bad}"
   moved = x.size * x.dtype.itemsize + _nbytes(got)
-  base = repr(sorted(opts.items()))
+  base = "eden" if "eden" in opts else repr(sorted(opts.items()))  # the eden rows share one XLA baseline
   if base not in xla_times:
     xla_times[base] = t_xla = _time(ref, (x, key))
     rows.append((f"{x.shape[0]}x{x.shape[1]}", f"xla ref {label}", t_xla, moved, moved / t_xla,

@@ -366,17 +366,17 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
     cs_ref[:, q, :] = scales.T  # [w, h / 16]
 
 
-def _pick(a: jax.Array, which: int) -> jax.Array:
+def pick(a: jax.Array, which: int) -> jax.Array:
   """a[:, which, :] of an int32 [A, 2, B] as an exact integer sum (Triton tensors cannot be sliced)."""
   sel = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1) == which
   return jnp.sum(jnp.where(sel, a, 0), axis=1)
 
 
-def _f32(b: jax.Array) -> jax.Array:
+def as_f32(b: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(b, jnp.float32)
 
 
-def _i32(v: jax.Array) -> jax.Array:
+def as_i32(v: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(v, jnp.int32)
 
 
@@ -393,17 +393,17 @@ def hadamard_pairs(even: jax.Array, odd: jax.Array, n: int, negative) -> tuple[j
   r = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * 2 % n  # position of row 2i in its block of n
   even = even ^ (((negative >> r) & 1) << 31)
   odd = odd ^ (((negative >> (r + 1)) & 1) << 31)
-  even, odd = _i32(_f32(even) + _f32(odd)), _i32(_f32(even) - _f32(odd))
+  even, odd = as_i32(as_f32(even) + as_f32(odd)), as_i32(as_f32(even) - as_f32(odd))
   out = []
   for y in (even, odd):
     d = 1
     while 2 * d < n:
       pairs = y.reshape(h // (2 * d), 2, d * w)
-      lo, hi = _f32(_pick(pairs, 0)), _f32(_pick(pairs, 1))
+      lo, hi = as_f32(pick(pairs, 0)), as_f32(pick(pairs, 1))
       first = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 1) == 0
-      y = jnp.where(first, _i32(lo + hi)[:, None, :], _i32(lo - hi)[:, None, :]).reshape(h, w)
+      y = jnp.where(first, as_i32(lo + hi)[:, None, :], as_i32(lo - hi)[:, None, :]).reshape(h, w)
       d *= 2
-    out.append(_i32(_f32(y) * jnp.float32(1 / math.sqrt(n))))
+    out.append(as_i32(as_f32(y) * jnp.float32(1 / math.sqrt(n))))
   return out[0], out[1]
 
 

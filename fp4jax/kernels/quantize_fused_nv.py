@@ -12,7 +12,8 @@ Two passes over x, with an explicit synchronisation between them:
   1. amax (XLA, `bf16_amax` / `_tile_amaxes`): a block scale needs S_enc, which needs the amax of the whole
      tensor (or row tile), so the amax is a separate reduction that completes before the kernel starts: one
      integer max of x's bf16 |bit patterns| (NaN if any element is NaN or Inf, as `reference._amax`; for
-     "nvfp4_tile" one reduction to a grid of tile maxima serving both views). A caller
+     "nvfp4_tile" one reduction to a grid of tile maxima serving both views; a Hadamard column view needs the
+     amax of the rotated values: `rotate.rotated_amax`, a Pallas pass with the kernel's butterfly). A caller
      may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
      is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
      rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
@@ -65,7 +66,7 @@ from jax.experimental import pallas as pl
 
 from fp4jax import hadamard, ieee, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
-from fp4jax.kernels import quantize_fused
+from fp4jax.kernels import quantize_fused, rotate
 from fp4jax.kernels.tiling import QuantTile, default_tile
 from fp4jax.qtensor import QTensor
 
@@ -197,7 +198,7 @@ def _view_params(amax: jax.Array, rounding: str, step: int) -> tuple[jax.Array, 
   return jnp.concatenate([g[:, None], q, pad], axis=1), outer
 
 
-def _e4m3_rn(t: jax.Array) -> tuple[jax.Array, jax.Array]:
+def e4m3_rn_bits(t: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(int32 E4M3 byte, its float32 value) of float32 t in [0, 448], round-to-nearest-even, by bit arithmetic."""
   tb = jax.lax.bitcast_convert_type(t, jnp.int32)
   # Normal E4M3 (t >= 2^-6): RNE to 3 mantissa bits on the float32 bits; the carry may bump the exponent.
@@ -230,7 +231,7 @@ def _unit_scale(amax: jax.Array, p_ref):
   g = p_ref[0, 0]
   ok = (amax < _F32_INF) & (g == g)
   t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
-  byte, sf = _e4m3_rn(t)
+  byte, sf = e4m3_rn_bits(t)
   return ok, _block_encode(sf, p_ref), jnp.where(ok, byte, _E4M3_NAN)
 
 
@@ -346,8 +347,8 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   None or the row_key object), so for "nvfp4" they hold the same codes, computed once.
   `tensor_amax` ("nvfp4" only): a precomputed amax; else `bf16_amax(x)` runs first (one XLA reduction).
   `col_transform` ("nvfp4" only): the column view is `reference.quantize(hadamard(x, col_transform, axis=0,
-  key=transform_key), fmt, axis=0, ...)`; its amax comes from the same XLA pre-pass over x (a fused reduction
-  of the transformed values), the transform itself runs in the kernel.
+  key=transform_key), fmt, axis=0, ...)`; its amax comes from a first Pallas pass over x that runs the same
+  butterfly (`rotate.rotated_amax`), the transform itself runs again in the quantizing kernel.
   `interpret=True` runs the kernel in Pallas interpret mode (CPU).
   """
   if not supported(fmt, row_rounding, col_rounding, dtype=x.dtype, tile_rows=tile_rows, tile_2d=tile_2d,
@@ -377,9 +378,8 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   if fmt == "nvfp4":
     amax = bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
     row_amax = col_amax = amax
-    if col_transform is not None:
-      col_x = hadamard.hadamard(x, col_transform, axis=0, key=transform_key)  # reduced only: XLA fuses it
-      col_amax = reference._amax(col_x)  # pylint: disable=protected-access
+    if col_transform is not None:  # the rotated view's own amax: a Pallas pass with the same butterfly first
+      col_amax = rotate.rotated_amax(x, col_transform, transform_key, axis=0, interpret=interpret)
   else:
     row_amax, col_amax = _tile_amaxes(x, tile_rows)  # [M], [K]
   prow, row_outer = _view_params(row_amax, row_rounding, tile.block_m)

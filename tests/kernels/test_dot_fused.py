@@ -43,6 +43,19 @@ def test_fused_quantizer_matches_reference_in_fp4_dot(route, monkeypatch):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_fused_eden_matches_reference_in_fp4_dot(monkeypatch):
+  """quartet2: MS-EDEN kernels for dY's two views and the requantized X^ (float32 input) and W^."""
+  kx, kw, kk = jax.random.split(jax.random.key(8), 3)
+  x = jax.random.normal(kx, (256, 128), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (128, 128), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  monkeypatch.setattr(dot, "FUSED_QUANTIZER", "xla")
+  ref = _value_and_grads("quartet2", x, w, kk)
+  monkeypatch.setattr(dot, "FUSED_QUANTIZER", "interpret")
+  out = _value_and_grads("quartet2", x, w, kk)
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_fused_quantizer_is_used_and_shared_between_views(monkeypatch):
   """X along K (fprop) and along M (wgrad, H32) come from ONE fused pass, dY along N (dgrad, SR) and along M
   (wgrad, H32) from another; W (32x32 tiles, read by fprop and dgrad) from a third."""
@@ -71,8 +84,9 @@ def test_fused_quantizer_is_used_and_shared_between_views(monkeypatch):
 LAUNCHES = {
     "mxfp4": 3,  # X (fprop + wgrad), W (32x32 tiles), dY (SR dgrad + RNE wgrad)
     "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
-    "nvfp4": 3,  # X (fprop + RHT16 wgrad), W (16x16 tiles), dY (SR dgrad + SR RHT16 wgrad)
-    "quartet2": 0,  # 4/6 and MS-EDEN: XLA reference
+    "nvfp4": 5,  # X (fprop + RHT16 wgrad), W (16x16 tiles), dY (SR dgrad + SR RHT16 wgrad); the two RHT16
+    # views' rotated amax passes
+    "quartet2": 8,  # 4/6 forward in XLA; MS-EDEN X^, W^ and dY's two views: rotated amax + quantizer each
 }
 
 
@@ -97,10 +111,12 @@ def test_gpu_mode_uses_every_kernel_and_off_none(mode, monkeypatch):
   key = jax.random.key(0)
   trace = lambda route: jax.make_jaxpr(lambda x, w: jax.vjp(
       lambda x, w: dot.fp4_dot(x, w, route=route, key=key), x, w)[1](g))(x, w).jaxpr
+  routes = ("nvfp4_tile_local", "mxfp4_h32", "nvfp4", "quartet2")
   with dot.fused_quantizer(mode):
-    launches = {route: _pallas_launches(trace(route)) for route in ("nvfp4_tile_local", "mxfp4_h32", "nvfp4")}
-  assert launches == dict.fromkeys(launches, 3 if mode == "gpu" else 0)
-  assert len(xla_hadamards) == (0 if mode == "gpu" else 4)  # X's and dY's wgrad views (H32, RHT16) in XLA
+    launches = {route: _pallas_launches(trace(route)) for route in routes}
+  assert launches == {route: LAUNCHES.get(route, 3) if mode == "gpu" else 0 for route in routes}
+  # In XLA: X's and dY's wgrad views (H32, RHT16), quartet2's four RHT128 operands.
+  assert len(xla_hadamards) == (0 if mode == "gpu" else 8)
 
 
 def test_fused_quantizer_mode_is_checked():
@@ -110,7 +126,7 @@ def test_fused_quantizer_mode_is_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local"])
+@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2"])
 def test_gpu_fused_paths_match_reference_in_fp4_dot(route):
   """Compiled on the GPU: the output and both input gradients equal those of the XLA reference quantizers
   ("xla") bit for bit (same operand bits, same GEMMs), and the kernels did run."""
@@ -126,7 +142,7 @@ def test_gpu_fused_paths_match_reference_in_fp4_dot(route):
   with dot.fused_quantizer("xla"):
     ref = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)
   with dot.fused_quantizer("gpu"):
-    assert _pallas_launches(jax.make_jaxpr(lambda *a: fwd_bwd(*a))(x, w, dy).jaxpr) == 3
+    assert _pallas_launches(jax.make_jaxpr(lambda *a: fwd_bwd(*a))(x, w, dy).jaxpr) == LAUNCHES.get(route, 3)
     out = jax.jit(lambda *a: fwd_bwd(*a))(x, w, dy)
   for a, b in zip(ref, out):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

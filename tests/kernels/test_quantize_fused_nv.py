@@ -229,7 +229,7 @@ def test_e4m3_rn_matches_xla():
   t = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), np.nextafter(grid, 0)])
   t = np.concatenate([t, np.exp2(np.random.default_rng(11).uniform(-14, np.log2(448), 20000))])
   t = jnp.asarray(np.clip(t, 0, 448).astype(np.float32))
-  byte, value = qnv._e4m3_rn(t)
+  byte, value = qnv.e4m3_rn_bits(t)
   want = reference.e4m3_rn(t)
   np.testing.assert_array_equal(np.asarray(byte), np.asarray(want).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(value), np.asarray(want.astype(jnp.float32)))
@@ -255,25 +255,11 @@ def test_one_named_kernel_in_lowering():
 
 
 @pytest.mark.parametrize("fmt,tile_2d", [("nvfp4", False), ("nvfp4_tile", False), ("nvfp4", True)])
-def test_triton_lowering_has_no_float_division(fmt, tile_2d, monkeypatch):
+def test_triton_lowering_has_no_float_division(fmt, tile_2d, triton_modules):
   """The Triton IR (lowered on CPU for an abstract H200) has no float division: Triton's would be approximate."""
-  from jax._src.pallas.triton import pallas_call_registration as registration
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-  modules = []
-  lower = registration.lowering.lower_jaxpr_to_triton_module
-
-  def spy(*args, **kwargs):
-    result = lower(*args, **kwargs)
-    modules.append(str(result.module.operation))
-    return result
-
-  monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", spy)
-  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
   col_rounding = "sr" if tile_2d else "rne"
-  fn = jax.jit(lambda x: qnv.quantize_dual_nv(x, fmt, row_rounding="sr", col_rounding=col_rounding,
-                                              row_key=jax.random.key(0), tile_2d=tile_2d))
-  with use_abstract_mesh(mesh):
-    fn.trace(jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+  modules = triton_modules(lambda x: qnv.quantize_dual_nv(x, fmt, row_rounding="sr", col_rounding=col_rounding,
+                                                          row_key=jax.random.key(0), tile_2d=tile_2d), (256, 256))
   assert len(modules) == 1 and "tt.load" in modules[0]
   assert "divf" not in modules[0] and "fdiv" not in modules[0]
 
