@@ -115,7 +115,7 @@ def _e2m1_value(code: jax.Array) -> jax.Array:
   return jnp.where(code >= 2, normal, code.astype(jnp.float32) * 0.5)
 
 
-def e4m3_value(byte: jax.Array) -> jax.Array:
+def _e4m3_value(byte: jax.Array) -> jax.Array:
   """float32 value of int32 E4M3 bytes 0..0x7E (normal (8 + m) * 2^(e - 10), subnormal m * 2^-9)."""
   normal = as_f32(((byte >> 3) + 120) << 23 | ((byte & 7) << 20))
   return jnp.where(byte >= 8, normal, byte.astype(jnp.float32) * jnp.float32(2.0**-9))
@@ -132,7 +132,7 @@ def _e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
   above = value > t
   lo_b = jnp.where(above, rb - 1, rb)
   hi_b = jnp.where(above, rb, jnp.minimum(rb + 1, _E4M3_TOP))
-  lo, hi = e4m3_value(lo_b), e4m3_value(hi_b)
+  lo, hi = _e4m3_value(lo_b), _e4m3_value(hi_b)
   p = jnp.where(hi > lo, (t - lo) * _pow2_reciprocal(jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
   return jnp.where(u < p, hi_b, lo_b)
 

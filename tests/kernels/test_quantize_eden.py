@@ -149,6 +149,23 @@ def test_exact_helpers_in_interpret_mode():
   np.testing.assert_array_equal(_bits(exact.mul_rn(a, b, interpret=True)), _bits(a * b))
 
 
+def test_scale_sr_and_e2m1_values_match_reference():
+  """The kernel's bit-arithmetic E4M3 SR of t (every E4M3 value, midpoints, neighbours, random t) against
+  `reference.e4m3_sr`, and its E2M1 magnitudes against `reference.e2m1_decode`."""
+  grid = np.arange(0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+  mids = (grid[:-1] + grid[1:]) / 2
+  rng = np.random.default_rng(12)
+  t = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(grid, np.inf),
+                      np.exp2(rng.uniform(-12, np.log2(448), 20000))])
+  t = jnp.asarray(np.clip(t, 0, 448).astype(np.float32))
+  u = jnp.asarray((rng.integers(0, 1 << 24, t.shape) * 2.0**-24).astype(np.float32))
+  got = qe._e4m3_sr(t, u)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(got), _bits(reference.e4m3_sr(t, u)))
+  codes = jnp.arange(8, dtype=jnp.int32)
+  np.testing.assert_array_equal(np.asarray(qe._e2m1_value(codes)),  # pylint: disable=protected-access
+                                np.asarray(reference.e2m1_decode(codes.astype(jnp.uint8))))
+
+
 def test_supported_and_errors():
   assert qe.supported("nvfp4", "eden", shape=(256, 64), dtype=jnp.bfloat16, axis=0, transform="rht128")
   assert qe.supported("nvfp4", "eden", shape=(64, 256), dtype=jnp.float32, axis=1)
