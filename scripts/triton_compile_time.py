@@ -34,6 +34,7 @@ KERNELS = {
     "mx w32x32": lambda x: qf.quantize_dual(x, tile_2d=True, scale_rule="noclip", clip_fraction=0.87),
     "nv rne|rne": lambda x: qnv.quantize_dual_nv(x, "nvfp4"),
     "nv 16x16": lambda x: qnv.quantize_dual_nv(x, "nvfp4", tile_2d=True),
+    "nv 4/6": lambda x: qnv.quantize_dual_nv(x, "nvfp4_46"),
     "nv dY sr|sr+rht16": lambda x: qnv.quantize_dual_nv(x, "nvfp4", row_rounding="sr", col_rounding="sr",
                                                         row_key=KEY, col_key=KEY, col_transform="rht16",
                                                         transform_key=KEY),

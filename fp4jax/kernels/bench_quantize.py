@@ -56,6 +56,7 @@ VARIANTS = (
     ("nv X rne|rne+rht16", dict(nv=("nvfp4", "rne", "rne"), col_transform="rht16"), None),  # the nvfp4 route's X
     ("nv dY sr|sr+rht16", dict(nv=("nvfp4", "sr", "sr"), col_transform="rht16"), None),  # and its dY
     ("nv W 16x16", dict(nv=("nvfp4", "rne", "rne"), tile_2d=True), None),  # and its W
+    ("nv 4/6", dict(nv=("nvfp4_46", "rne", "rne")), None),  # quartet2's forward X and W
     # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each
     ("eden dY rht128", dict(eden=dict()), None),
     ("eden dY rht128 c32w4", dict(eden=dict(block_c=32)), None),

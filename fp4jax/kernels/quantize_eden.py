@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 from fp4jax import hadamard, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.kernels import exact, rotate
-from fp4jax.kernels.quantize_fused import as_f32, as_i32, encode_rne, magnitude_and_sign, pick
+from fp4jax.kernels.quantize_fused import as_f32, as_i32, e2m1_magnitude, encode_rne, magnitude_and_sign, pick
 from fp4jax.kernels.quantize_fused_nv import e4m3_rn_bits
 from fp4jax.qtensor import QTensor
 
@@ -109,12 +109,6 @@ def _rows_sum(a: jax.Array) -> jax.Array:
   return as_f32(b)
 
 
-def _e2m1_value(code: jax.Array) -> jax.Array:
-  """float32 magnitude of int32 E2M1 magnitude codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) from exponent bits."""
-  normal = as_f32((((code >> 1) + 126) << 23) | ((code & 1) << 22))  # code >= 2: (1 + m/2) * 2^(e - 1)
-  return jnp.where(code >= 2, normal, code.astype(jnp.float32) * 0.5)
-
-
 def _e4m3_value(byte: jax.Array) -> jax.Array:
   """float32 value of int32 E4M3 bytes 0..0x7E (normal (8 + m) * 2^(e - 10), subnormal m * 2^-9)."""
   normal = as_f32(((byte >> 3) + 120) << 23 | ((byte & 7) << 20))
@@ -159,7 +153,7 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   code = encode_rne(jnp.minimum(ymag, E2M1_MAX), None)  # saturating, as e2m1_encode_rne of the unclamped ys
   # |ys|^2 and |ys| * |q| equal ys * ys and ys * q: both products are >= +0 (q carries ys's sign).
   num = _rows_sum(exact.mul_rn(ymag, ymag, interpret=cfg.interpret))  # [1, C]
-  den = _rows_sum(exact.mul_rn(ymag, _e2m1_value(code), interpret=cfg.interpret))
+  den = _rows_sum(exact.mul_rn(ymag, e2m1_magnitude(code), interpret=cfg.interpret))
   c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, E4M3_MAX))  # [nb, C]
   k0, k1 = p_ref[0], p_ref[1]

@@ -218,6 +218,12 @@ def encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
 ENCODERS = {"rne": encode_rne, "sr": encode_sr}
 
 
+def e2m1_magnitude(code: jax.Array) -> jax.Array:
+  """float32 magnitude of int32 E2M1 magnitude codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) from exponent bits."""
+  normal = as_f32((((code >> 1) + 126) << 23) | ((code & 1) << 22))  # code >= 2: (1 + m/2) * 2^(e - 1)
+  return jnp.where(code >= 2, normal, code.astype(jnp.float32) * 0.5)
+
+
 def _block_scale(amax: jax.Array, cfg: ViewSpec):
   """(finite, multiplier 2^-E, E8M0 scale byte) of blocks with int32 amax bits `amax` (NaN/Inf -> 0xFF)."""
   finite = amax < _F32_INF

@@ -2,7 +2,8 @@
 
 Equal bit for bit to `(reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=row_key, ...),
 reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=col_key, ...))` for fmt "nvfp4" (one FP32 outer
-per tensor) and "nvfp4_tile" (one outer per `tile_rows` rows of each K-major view), 1x16 blocks or 16x16
+per tensor), "nvfp4_46" (the same with 4/6 block scales, RNE) and "nvfp4_tile" (one outer per `tile_rows`
+rows of each K-major view), 1x16 blocks or 16x16
 tiles, rounding "rne" or "sr" chosen per view (the backward pass of fp4_dot quantizes dY by SR along one axis
 and RNE along the other). The kernel reuses the MXFP4 kernel's layout (`quantize_fused`): x read as uint32
 words of two bf16 neighbours along K, split by row parity, so packing is elementwise and only the column view
@@ -38,6 +39,12 @@ results to zero. Only |x| * enc_b of a bf16-subnormal x in a block with a much l
 gives code 0 either way (anything below 0.25 does), SR rounds it up iff its draw u is exactly 0 (p = 2^-24),
 which a flush would turn off.
 
+4/6 ("nvfp4_46", RNE, `_view_46`): per block both E4M3 scale candidates (targets 6 and 4, from g and g4 in the
+parameter row), the codes under each, their squared errors (q * s_b - x * S_enc)^2 summed in the reference's
+halving order, the lower kept (ties: 6). x * S_enc and the squares feed a difference and sums, so they are
+PTX mul.rn.f32 (`kernels.exact`), which no FMA contraction can merge; q * s_b is exact. Checked in interpret
+mode; not yet run on a GPU, so fp4_dot does not route quartet2's forward here yet (`dot._FUSED_VIEWS`).
+
 Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x, the column view's over
 `tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
 come from the one pre-pass; a program then sees one S_enc per view as long as `tile_rows` is a multiple of the
@@ -58,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +74,13 @@ from jax.experimental import pallas as pl
 
 from fp4jax import hadamard, ieee, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX, get_format
-from fp4jax.kernels import quantize_fused, rotate
+from fp4jax.kernels import exact, quantize_fused, rotate
 from fp4jax.kernels.tiling import QuantTile, default_tile
 from fp4jax.qtensor import QTensor
 
 KERNEL_NAME = "fp4jax_nvfp4_quantize_dual"
-FORMATS = ("nvfp4", "nvfp4_tile")
+FORMATS = ("nvfp4", "nvfp4_46", "nvfp4_tile")
+_GLOBAL = ("nvfp4", "nvfp4_46")  # one S_enc per tensor
 ROUNDINGS = ("rne", "sr")
 BLOCK = 16
 
@@ -81,8 +90,9 @@ _BF16_INF = 0x7F80
 _E4M3_NAN = 0x7F
 _E4M3_MIN_NORMAL_BITS = 121 << 23  # float32 bits of 2^-6
 _F32_MAX = float(np.finfo(np.float32).max)
-# Per-view parameter row handed to each program: [g = S_enc * c, q_0 .. q_7, padding] (a power-of-two width).
+# Per-view parameter row handed to each program (`_view_params`; a power-of-two width).
 _N_PARAMS = 16
+_S_ENC_SLOT, _G4_SLOT = 9, 10
 _MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 significands, exact in float32
 
 
@@ -125,10 +135,13 @@ def supported(fmt: str, row_rounding: str = "rne", col_rounding: str = "rne", *,
   Covered: fmt "nvfp4" / "nvfp4_tile" (`tile_rows` a multiple of 32), 1x16 blocks or 16x16 tiles (`tile_2d`,
   with one rounding for both views), rounding "rne" / "sr" per view, a bf16 x [M, K] with M and K multiples
   of 32; for "nvfp4" without tiles, a Hadamard of `quantize_fused.TRANSFORMS` on the column view
-  (`col_transform`). Not covered: 4/6, MS-EDEN or any other reference option set (`options` left at None /
-  False, e.g. scale_rule=None, are accepted).
+  (`col_transform`); "nvfp4_46" (4/6) with RNE on both views, 1x16 blocks and no transform. Not covered:
+  4/6 with SR, MS-EDEN (`quantize_eden`) or any other reference option set (`options` left at None / False,
+  e.g. scale_rule=None, are accepted).
   """
   if fmt not in FORMATS or row_rounding not in ROUNDINGS or col_rounding not in ROUNDINGS:
+    return False
+  if fmt == "nvfp4_46" and (row_rounding, col_rounding, tile_2d, col_transform) != ("rne", "rne", False, None):
     return False
   if tile_2d and row_rounding != col_rounding:
     return False
@@ -183,19 +196,21 @@ def _tile_amaxes(x: jax.Array, tile_rows: int) -> tuple[jax.Array, jax.Array]:
   return row, col
 
 
-def _view_params(amax: jax.Array, rounding: str, step: int) -> tuple[jax.Array, jax.Array]:
+def _view_params(amax: jax.Array, rounding: str, step: int, fmt: str) -> tuple[jax.Array, jax.Array]:
   """(per-program parameter rows [P, 16], outer) of one view from its amax (() or one per K-major row).
 
-  `step`: K-major rows per program, used to pick each program's S_enc (constant within a program).
+  `step`: K-major rows per program, used to pick each program's S_enc (constant within a program). Row:
+  [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), 0 ...].
   """
   headroom = reference.NV_HEADROOM[rounding]
-  s_enc = reference.nvfp4_encode_scale(amax, get_format("nvfp4").scale_max / headroom)
+  s_enc = reference.nvfp4_encode_scale(amax, get_format(fmt).scale_max / headroom)
   outer = reference.nvfp4_outer(s_enc)
   s = s_enc.reshape(-1)[::step] if s_enc.ndim else s_enc.reshape(1)  # [P]
   g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
   q = ieee.div(s[:, None], jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
-  pad = jnp.zeros((s.shape[0], _N_PARAMS - 9), jnp.float32)
-  return jnp.concatenate([g[:, None], q, pad], axis=1), outer
+  g4 = s * reference.nv_inv_target(4.0, headroom)
+  pad = jnp.zeros((s.shape[0], _N_PARAMS - 11), jnp.float32)
+  return jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], pad], axis=1), outer
 
 
 def e4m3_rn_bits(t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -223,16 +238,20 @@ def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
   return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2_neg_e, _F32_MAX))
 
 
-def _unit_scale(amax: jax.Array, p_ref):
-  """(ok, enc_b, E4M3 scale byte) of scale units with int32 amax bits `amax`; p_ref: the parameter row.
-
-  ok is False for a non-finite unit or a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes.
-  """
-  g = p_ref[0, 0]
+def _scale_candidate(amax: jax.Array, p_ref, slot: int = 0):
+  """(ok, enc_b, E4M3 scale byte, its value) of scale units with int32 amax bits `amax` aiming at the target
+  whose g = S_enc * c is in parameter `slot` (0: 6, _G4_SLOT: 4/6's 4). ok is False for a non-finite unit or
+  a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes."""
+  g = p_ref[0, slot]
   ok = (amax < _F32_INF) & (g == g)
   t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
   byte, sf = e4m3_rn_bits(t)
-  return ok, _block_encode(sf, p_ref), jnp.where(ok, byte, _E4M3_NAN)
+  return ok, _block_encode(sf, p_ref), jnp.where(ok, byte, _E4M3_NAN), sf
+
+
+def _unit_scale(amax: jax.Array, p_ref):
+  """(ok, enc_b, E4M3 scale byte) of scale units with int32 amax bits `amax`; p_ref: the parameter row."""
+  return _scale_candidate(amax, p_ref)[:3]
 
 
 def _codes(a, sign, r24, enc, blocks: tuple[int, ...], rounding: str) -> jax.Array:
@@ -249,6 +268,46 @@ def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, i
   return quantize_fused.pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks, axis,
                                   lambda amax: _unit_scale(amax, p_ref),
                                   lambda a, sign, r24, enc: _codes(a, sign, r24, enc, blocks, rounding))
+
+
+def _block_tree(a: jax.Array, blocks: tuple[int, int, int], axis: int) -> jax.Array:
+  """`reference._tree_sum` over the 8 same-parity elements of each 16-block: a float32 array shaped `blocks`
+  whose `axis` (1 or 2) runs along a block; halving pairs (j, j + 4), (j, j + 2), (j, j + 1). The caller adds
+  the two parities last (block element e = 2j + parity), completing the reference's 16-element tree."""
+  lead, trailing = math.prod(blocks[:axis]), math.prod(blocks[axis + 1:])
+  b = quantize_fused.as_i32(a)
+  n = blocks[axis]
+  while n > 1:
+    n //= 2
+    pairs = b.reshape(lead, 2, n * trailing)
+    b = quantize_fused.as_i32(quantize_fused.as_f32(quantize_fused.pick(pairs, 0))
+                              + quantize_fused.as_f32(quantize_fused.pick(pairs, 1)))
+  return quantize_fused.as_f32(b).reshape(blocks[:axis] + (1,) + blocks[axis + 1:])
+
+
+def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
+             rounding: str, *, interpret: bool):
+  """`_view` under 4/6 (RNE; `reference._four_over_six`): per block the codes for target maxima 6 and 4, their
+  squared errors (q * s_b - x * S_enc)^2 in the S_enc-scaled domain summed in the reference's tree order, the
+  scale with the lower error kept (ties: 6). Products that feed a difference or a sum are `exact.mul_rn`."""
+  del r24_lo, r24_hi, rounding  # RNE only
+  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
+  xs = [jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) for a in (abs_lo, abs_hi)]
+  targets = [exact.mul_rn(x, p_ref[0, _S_ENC_SLOT], interpret=interpret) for x in xs]
+  candidates = []
+  for slot in (0, _G4_SLOT):
+    ok, enc, byte, sf = _scale_candidate(amax, p_ref, slot)
+    mags = [quantize_fused.encode_rne(jnp.minimum(x * enc, E2M1_MAX), None) for x in xs]
+    # q * s_b is exact (a 2-bit E2M1 value times an E4M3 one); e = 2j + parity: lo and hi trees added last.
+    sq = [exact.mul_rn(d, d, interpret=interpret)
+          for d in (quantize_fused.e2m1_magnitude(m) * sf - t for m, t in zip(mags, targets))]
+    candidates.append((ok, byte, mags, _block_tree(sq[0], blocks, axis) + _block_tree(sq[1], blocks, axis)))
+  (ok, byte6, mags6, err6), (_, byte4, mags4, err4) = candidates
+  four = err4 < err6
+  lo, hi = (jnp.where(four, m4, m6) | s.reshape(blocks) for m6, m4, s in zip(mags6, mags4, (sign_lo, sign_hi)))
+  packed = jnp.where(ok, lo | (hi << 4), 0)
+  return (packed.reshape(abs_lo.shape).astype(jnp.uint8),
+          jnp.squeeze(jnp.where(four, byte4, byte6), axis).astype(jnp.uint8))
 
 
 def _tile_codes(mag, sign, r24, amax, p_ref, rounding: str, tiles: tuple[int, int, int, int]):
@@ -296,8 +355,9 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     col = row if cfg.fmt == "nvfp4" else _tile_codes(mag, sign, r24, amax, pcol_ref, cfg.row_rounding, tiles)
     _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h, w)
     return
+  view = functools.partial(_view_46, interpret=cfg.interpret) if cfg.fmt == "nvfp4_46" else _view
   for p in range(2):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
-    codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
+    codes, scales = view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
                           (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/8]
@@ -310,7 +370,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
       for p in range(2):
         mag[p, q], sign[p, q] = quantize_fused.magnitude_and_sign(bits[p, q])
   for q in range(2):  # column view: blocks of 16 along M = 8 row pairs; column parity q packs rows (2i, 2i+1)
-    codes, scales = _view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
+    codes, scales = view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
                           (h // 8, 8, w), 1, pcol_ref, cfg.col_rounding)
     cc_ref[:, q, :] = codes.T  # [w, h]
     cs_ref[:, q, :] = scales.T  # [w, h/8]
@@ -363,7 +423,7 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
     raise ValueError("tile_2d: both views draw the row view's SR bits; pass col_key=None or the row_key object")
   if x.ndim != 2:
     raise ValueError(f"quantize_dual_nv takes a 2-D x, got {x.shape=}")
-  if tensor_amax is not None and fmt != "nvfp4":
+  if tensor_amax is not None and fmt not in _GLOBAL:
     raise ValueError(f"tensor_amax applies to fmt='nvfp4' (one scale per tensor), not {fmt=}")
   m, k = x.shape
   rounding = "sr" if "sr" in (row_rounding, col_rounding) else "rne"
@@ -375,16 +435,16 @@ def quantize_dual_nv(x: jax.Array, fmt: str = "nvfp4", *, row_rounding: str = "r
   if col_transform is not None:
     mask = jax.lax.bitcast_convert_type(hadamard.negative_mask(col_transform, transform_key), jnp.uint32)[None]
   seeds = jnp.concatenate([_seeds(row_rounding, row_key, "row"), _seeds(col_rounding, col_key, "col"), mask])
-  if fmt == "nvfp4":
+  if fmt in _GLOBAL:
     amax = bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
     row_amax = col_amax = amax
     if col_transform is not None:  # the rotated view's own amax: a Pallas pass with the same butterfly first
       col_amax = rotate.rotated_amax(x, col_transform, transform_key, axis=0, interpret=interpret)
   else:
     row_amax, col_amax = _tile_amaxes(x, tile_rows)  # [M], [K]
-  prow, row_outer = _view_params(row_amax, row_rounding, tile.block_m)
-  pcol, col_outer = _view_params(col_amax, col_rounding, tile.block_k)
-  if fmt == "nvfp4":  # one parameter row serves every program
+  prow, row_outer = _view_params(row_amax, row_rounding, tile.block_m, fmt)
+  pcol, col_outer = _view_params(col_amax, col_rounding, tile.block_k, fmt)
+  if fmt in _GLOBAL:  # one parameter row serves every program
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row_rounding, col_rounding=col_rounding, tile_2d=bool(tile_2d),

@@ -116,6 +116,20 @@ def test_column_transform_matches_reference(kind, transform, row_rounding, col_r
   _check_transform(_bf16(INPUTS[kind](rng)), transform, row_rounding, col_rounding, int(rng.integers(1 << 30)))
 
 
+@pytest.mark.parametrize("kind", sorted(INPUTS) + ["nonfinite"])
+def test_four_over_six_matches_reference(kind):
+  """4/6 (quartet2's forward): both targets' codes and squared errors per block, the lower kept."""
+  make = {**INPUTS, "nonfinite": _nonfinite}[kind]
+  x = _bf16(make(np.random.default_rng(zlib.crc32(f"46/{kind}".encode()))))
+  row, col = _check(x, "nvfp4_46")
+  if kind in ("normal", "heavy"):  # some blocks keep the 6-target scale, others take the 4-target one
+    xb = np.asarray(x, np.float32).reshape(SHAPE[0], -1, 16)
+    s_enc = reference.nvfp4_encode_scale(jnp.float32(np.abs(xb).max()), 256.0)
+    s6 = reference._nv_block_scale(jnp.asarray(np.abs(xb).max(-1)), s_enc, 6.0)  # pylint: disable=protected-access
+    six = np.asarray(row.scales).view(np.uint8) == np.asarray(s6).view(np.uint8)
+    assert six.any() and not six.all()
+
+
 def test_column_transform_nonfinite():
   x = _nonfinite(np.random.default_rng(21))  # NaN/Inf spread through their Hadamard blocks
   _check_transform(_bf16(x), "rht16", "rne", "rne")
@@ -267,8 +281,10 @@ def test_triton_lowering_has_no_float_division(fmt, tile_2d, triton_modules):
 def test_supported():
   assert qnv.supported("nvfp4", "sr", "rne", shape=(64, 128), dtype=jnp.bfloat16)
   assert qnv.supported("nvfp4_tile", "rne", "sr", shape=(256, 384), tile_rows=128)
-  for fmt in ("mxfp4", "nvfp4_46"):
-    assert not qnv.supported(fmt, "rne", "rne")
+  assert not qnv.supported("mxfp4", "rne", "rne")
+  assert qnv.supported("nvfp4_46", "rne", "rne", shape=(64, 128), dtype=jnp.bfloat16)
+  assert not qnv.supported("nvfp4_46", "sr", "rne") and not qnv.supported("nvfp4_46", "rne", "rne", tile_2d=True)
+  assert not qnv.supported("nvfp4_46", "rne", "rne", col_transform="rht16")
   assert not qnv.supported("nvfp4", "eden", "rne")
   assert qnv.supported("nvfp4", "sr", "sr", tile_2d=True, shape=(64, 128), dtype=jnp.bfloat16)
   assert qnv.supported("nvfp4_tile", "rne", "rne", tile_2d=True, tile_rows=64)
@@ -327,6 +343,16 @@ def test_gpu_matches_reference(fmt, row_rounding, col_rounding):
                                   col_key=kc)
   _assert_same(row, reference.quantize(x, fmt, axis=-1, rounding=row_rounding, key=kr))
   _assert_same(col, reference.quantize(x, fmt, axis=0, rounding=col_rounding, key=kc))
+
+
+@pytest.mark.gpu
+def test_gpu_four_over_six_matches_reference():
+  """The compiled 4/6 kernel (default tile) on special and heavy-tailed blocks tiled over a larger array."""
+  for make, seed in ((_special_blocks, 23), (_heavy, 24)):
+    x = _bf16(np.tile(make(np.random.default_rng(seed)), (16, 8)))  # [1024, 1024]
+    row, col = qnv.quantize_dual_nv(x, "nvfp4_46")
+    _assert_same(row, reference.quantize(x, "nvfp4_46", axis=-1))
+    _assert_same(col, reference.quantize(x, "nvfp4_46", axis=0))
 
 
 @pytest.mark.gpu
