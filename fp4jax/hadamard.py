@@ -76,17 +76,15 @@ def hadamard_signs(kind: str, key: jax.Array | None = None) -> jax.Array:
 
 def negative_mask(kind: str, key: jax.Array | None = None) -> jax.Array:
   """int32 bitmask of `kind`'s -1 signs (bit r set iff sign r is -1), n <= 32: how kernels take the signs."""
-  signs = hadamard_signs(kind, key)
-  n = signs.shape[0]
+  n = _kind(kind).n
   if n > 32:
     raise ValueError(f"negative_mask covers Hadamard sizes up to 32, got {kind=} ({n=})")
-  bits = jnp.where(signs < 0, jnp.uint32(1) << jnp.arange(n, dtype=jnp.uint32), jnp.uint32(0))
-  return jax.lax.bitcast_convert_type(jnp.sum(bits, dtype=jnp.uint32), jnp.int32)
+  return jax.lax.bitcast_convert_type(negative_words(kind, key, words=1)[0], jnp.int32)
 
 
 def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> jax.Array:
   """uint32 [words] bitmask of `kind`'s -1 signs for any n <= 32 * words: sign r is bit r % 32 of word r // 32
-  (words past n are zero). `negative_mask` for transforms longer than one word (rht128)."""
+  (words past n are zero); `negative_mask` is its one-word form."""
   signs = hadamard_signs(kind, key)
   n = signs.shape[0]
   if n > 32 * words:

@@ -13,8 +13,8 @@ Two launches per view, with the one global dependency between them explicit:
        signs, the Hadamard butterfly along the rows and the 1/sqrt(n) scale (`rotate.rotate_rows`);
        per 16-block: amax_b, s_b = e4m3_RN(min((amax_b * fp32(1/val_max)) / s_dec, 448)) (1 where 0);
        ys = y / (s_b * s_dec) per element; codes = E2M1_RNE(ys);
-       per 128-group: num = tree(ys * ys), den = tree(ys * q) (`reference._tree_sum`'s halving order over the
-       rows), c = num / den (1 when den = 0), t = min(s_b * c, 448);
+       per 128-group: num = tree(ys * ys), den = tree(ys * q) (`quantize_fused.halving_sum`: the reference's
+       `_tree_sum` order over the rows), c = num / den (1 when den = 0), t = min(s_b * c, 448);
        scale = e4m3_SR(t) with one draw per block from stream `STREAM_SCALE_SR`, counter = the block's flat
        index in the K-major scales array.
 Every division is correctly rounded and every product feeding a sum rounded on its own (`kernels.exact`: PTX
@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import hadamard, prng, reference
+from fp4jax import hadamard, ieee, prng, reference
 from fp4jax.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.kernels import exact, rotate
-from fp4jax.kernels.quantize_fused import as_f32, as_i32, e2m1_magnitude, encode_rne, magnitude_and_sign, pick
+from fp4jax.kernels.quantize_fused import (as_f32, as_i32, e2m1_magnitude, encode_rne, halving_sum,
+                                           magnitude_and_sign, pick)
 from fp4jax.kernels.quantize_fused_nv import e4m3_rn_bits
 from fp4jax.qtensor import QTensor
 
@@ -60,6 +61,7 @@ _E4M3_NAN = 0x7F
 _E4M3_TOP = 0x7E  # 448
 # Parameter words handed to every program: [scale-SR seed k0, k1, sign words 0..3, s_dec bits, unused].
 _N_PARAMS = 8
+_WORDS_SLOT, _S_DEC_SLOT = 2, 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,26 +100,10 @@ def supported(fmt: str, rounding: str, *, shape: tuple[int, ...] | None = None, 
   return True
 
 
-def _rows_sum(a: jax.Array) -> jax.Array:
-  """`reference._tree_sum` down the rows of float32 a [L, C] (L a power of two): a[:h] + a[h:2h], h = L/2, ..."""
-  rows, cols = a.shape
-  b = as_i32(a)
-  while rows > 1:
-    rows //= 2
-    pairs = b.reshape(1, 2, rows * cols)
-    b = as_i32(as_f32(pick(pairs, 0)) + as_f32(pick(pairs, 1))).reshape(rows, cols)
-  return as_f32(b)
-
-
 def _e4m3_value(byte: jax.Array) -> jax.Array:
   """float32 value of int32 E4M3 bytes 0..0x7E (normal (8 + m) * 2^(e - 10), subnormal m * 2^-9)."""
   normal = as_f32(((byte >> 3) + 120) << 23 | ((byte & 7) << 20))
   return jnp.where(byte >= 8, normal, byte.astype(jnp.float32) * jnp.float32(2.0**-9))
-
-
-def _pow2_reciprocal(step: jax.Array) -> jax.Array:
-  """1 / step for a positive normal power of two `step` (exact, from the exponent bits): `ieee.div_pow2`'s."""
-  return as_f32((254 - (as_i32(step) >> 23)) << 23)
 
 
 def _e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
@@ -127,7 +113,7 @@ def _e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
   lo_b = jnp.where(above, rb - 1, rb)
   hi_b = jnp.where(above, rb, jnp.minimum(rb + 1, _E4M3_TOP))
   lo, hi = _e4m3_value(lo_b), _e4m3_value(hi_b)
-  p = jnp.where(hi > lo, (t - lo) * _pow2_reciprocal(jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
+  p = jnp.where(hi > lo, ieee.div_pow2(t - lo, jnp.where(hi > lo, hi - lo, 1.0)), 0.0)
   return jnp.where(u < p, hi_b, lo_b)
 
 
@@ -136,10 +122,10 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   div = functools.partial(exact.div_rn, interpret=cfg.interpret)
   bits = rotate.tile_bits(x_ref, cfg.axis)  # [L, C]
   if cfg.transform is not None:
-    bits = rotate.rotate_rows(bits, hadamard.KINDS[cfg.transform].n, rotate.read_words(p_ref, 2))
+    bits = rotate.rotate_rows(bits, hadamard.KINDS[cfg.transform].n, rotate.read_words(p_ref, _WORDS_SLOT))
   rows, cols = bits.shape
   nb = rows // BLOCK
-  s_dec = jax.lax.bitcast_convert_type(p_ref[6], jnp.float32)
+  s_dec = jax.lax.bitcast_convert_type(p_ref[_S_DEC_SLOT], jnp.float32)
   mag, _ = magnitude_and_sign(bits)
   amax = jnp.max(mag.reshape(nb, BLOCK, cols), axis=1)  # [nb, C] |y| bits
   bad = (jnp.max(amax, axis=0, keepdims=True) >= _F32_INF) | ((as_i32(s_dec) & _F32_ABS) >= _F32_INF)  # [1, C]
@@ -152,8 +138,9 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   ymag = as_f32(ymag)
   code = encode_rne(jnp.minimum(ymag, E2M1_MAX), None)  # saturating, as e2m1_encode_rne of the unclamped ys
   # |ys|^2 and |ys| * |q| equal ys * ys and ys * q: both products are >= +0 (q carries ys's sign).
-  num = _rows_sum(exact.mul_rn(ymag, ymag, interpret=cfg.interpret))  # [1, C]
-  den = _rows_sum(exact.mul_rn(ymag, e2m1_magnitude(code), interpret=cfg.interpret))
+  group = (1, rows, cols)  # the tree runs down the rows (the group's elements in the reference's order)
+  num = halving_sum(exact.mul_rn(ymag, ymag, interpret=cfg.interpret), group, 1).reshape(1, cols)
+  den = halving_sum(exact.mul_rn(ymag, e2m1_magnitude(code), interpret=cfg.interpret), group, 1).reshape(1, cols)
   c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, E4M3_MAX))  # [nb, C]
   k0, k1 = p_ref[0], p_ref[1]
@@ -235,16 +222,14 @@ def quantize_eden(x: jax.Array, *, axis: int = 0, key: jax.Array, transform: str
   other = x.shape[1 - axis]
   cfg = EdenConfig(axis=axis, transform=transform, block_c=_block_c(other, block_c), num_warps=num_warps,
                    targets=targets, interpret=interpret)
-  words = (rotate.sign_words(transform, transform_key) if transform is not None
-           else jnp.zeros((rotate.SIGN_WORDS,), jnp.uint32))
-  seeds = jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR))
-  params = jnp.concatenate([seeds, words, jnp.zeros((2,), jnp.uint32)])
   if tensor_amax is None:
     amax = rotate.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret)
   else:
     amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
   s_dec = reference.eden_decode_scale(amax)
-  params = params.at[6].set(jax.lax.bitcast_convert_type(s_dec, jnp.uint32))
+  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)),
+                            rotate.sign_words(transform, transform_key),
+                            jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], jnp.zeros((1,), jnp.uint32)])
   codes, scales, *t = _eden_call(x, params, cfg)
   outer = jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan)
   q = QTensor(codes, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), outer, fmt="nvfp4", axis=axis,

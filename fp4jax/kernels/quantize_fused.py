@@ -378,6 +378,20 @@ def pick(a: jax.Array, which: int) -> jax.Array:
   return jnp.sum(jnp.where(sel, a, 0), axis=1)
 
 
+def halving_sum(a: jax.Array, blocks: tuple[int, ...], axis: int) -> jax.Array:
+  """`reference._tree_sum` of float32 `a` (any shape holding `blocks`' elements) along `axis` of it viewed as
+  `blocks` (a power-of-two length): a[:h] + a[h:2h], h halving to 1, pairs picked by exact integer sums. The
+  result keeps `axis` with length 1."""
+  lead, trailing = math.prod(blocks[:axis]), math.prod(blocks[axis + 1:])
+  b = as_i32(a)
+  n = blocks[axis]
+  while n > 1:
+    n //= 2
+    pairs = b.reshape(lead, 2, n * trailing)
+    b = as_i32(as_f32(pick(pairs, 0)) + as_f32(pick(pairs, 1)))
+  return as_f32(b).reshape(blocks[:axis] + (1,) + blocks[axis + 1:])
+
+
 def as_f32(b: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(b, jnp.float32)
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -270,21 +269,6 @@ def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, i
                                   lambda a, sign, r24, enc: _codes(a, sign, r24, enc, blocks, rounding))
 
 
-def _block_tree(a: jax.Array, blocks: tuple[int, int, int], axis: int) -> jax.Array:
-  """`reference._tree_sum` over the 8 same-parity elements of each 16-block: a float32 array shaped `blocks`
-  whose `axis` (1 or 2) runs along a block; halving pairs (j, j + 4), (j, j + 2), (j, j + 1). The caller adds
-  the two parities last (block element e = 2j + parity), completing the reference's 16-element tree."""
-  lead, trailing = math.prod(blocks[:axis]), math.prod(blocks[axis + 1:])
-  b = quantize_fused.as_i32(a)
-  n = blocks[axis]
-  while n > 1:
-    n //= 2
-    pairs = b.reshape(lead, 2, n * trailing)
-    b = quantize_fused.as_i32(quantize_fused.as_f32(quantize_fused.pick(pairs, 0))
-                              + quantize_fused.as_f32(quantize_fused.pick(pairs, 1)))
-  return quantize_fused.as_f32(b).reshape(blocks[:axis] + (1,) + blocks[axis + 1:])
-
-
 def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
              rounding: str, *, interpret: bool):
   """`_view` under 4/6 (RNE; `reference._four_over_six`): per block the codes for target maxima 6 and 4, their
@@ -298,10 +282,12 @@ def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int
   for slot in (0, _G4_SLOT):
     ok, enc, byte, sf = _scale_candidate(amax, p_ref, slot)
     mags = [quantize_fused.encode_rne(jnp.minimum(x * enc, E2M1_MAX), None) for x in xs]
-    # q * s_b is exact (a 2-bit E2M1 value times an E4M3 one); e = 2j + parity: lo and hi trees added last.
+    # q * s_b is exact (a 2-bit E2M1 value times an E4M3 one). Block element e = 2j + parity: the reference's
+    # 16-element tree halves over j within each parity (pairs j, j + 4; j, j + 2; j, j + 1), then adds lo + hi.
     sq = [exact.mul_rn(d, d, interpret=interpret)
           for d in (quantize_fused.e2m1_magnitude(m) * sf - t for m, t in zip(mags, targets))]
-    candidates.append((ok, byte, mags, _block_tree(sq[0], blocks, axis) + _block_tree(sq[1], blocks, axis)))
+    err = quantize_fused.halving_sum(sq[0], blocks, axis) + quantize_fused.halving_sum(sq[1], blocks, axis)
+    candidates.append((ok, byte, mags, err))
   (ok, byte6, mags6, err6), (_, byte4, mags4, err4) = candidates
   four = err4 < err6
   lo, hi = (jnp.where(four, m4, m6) | s.reshape(blocks) for m6, m4, s in zip(mags6, mags4, (sign_lo, sign_hi)))

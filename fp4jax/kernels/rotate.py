@@ -30,8 +30,11 @@ _F32_ABS = 0x7FFFFFFF
 _F32_INF = 0x7F800000
 
 
-def sign_words(transform: str, key: jax.Array | None) -> jax.Array:
-  """uint32 [SIGN_WORDS] of `transform`'s -1 signs (`hadamard.negative_words`): what kernels read."""
+def sign_words(transform: str | None, key: jax.Array | None) -> jax.Array:
+  """uint32 [SIGN_WORDS] of `transform`'s -1 signs (`hadamard.negative_words`; zeros for no transform): what
+  kernels read."""
+  if transform is None:
+    return jnp.zeros((SIGN_WORDS,), jnp.uint32)
   return hadamard.negative_words(transform, key, SIGN_WORDS)
 
 
@@ -113,11 +116,12 @@ def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = No
                  interpret: bool = False) -> jax.Array:
   """`reference._amax(hadamard(x, transform, axis=axis, key=key))` (of x itself for transform None) from one
   Pallas pass over a 2-D x: float32, NaN if anything is non-finite. Both dims must be multiples of 16."""
+  if x.ndim != 2:
+    raise ValueError(f"rotated_amax takes a 2-D x, got {x.shape=}")
   n = hadamard.KINDS[transform].n if transform is not None else 1
   length, other = x.shape if axis == 0 else x.shape[::-1]
   rows, cols = _fit(length, TILE_ROWS, n), _fit(other, TILE_COLS)
-  if x.ndim != 2 or rows is None or cols is None:
-    raise ValueError(f"rotated_amax needs a 2-D x with dims multiples of 16 (and of the transform size along "
+  if rows is None or cols is None:
+    raise ValueError(f"rotated_amax needs dims that are multiples of 16 (and of the transform size along "
                      f"{axis=}): {x.shape=}, {transform=}")
-  words = sign_words(transform, key) if transform is not None else jnp.zeros((SIGN_WORDS,), jnp.uint32)
-  return _amax_call(x, words, AmaxConfig(axis, transform, rows, cols, interpret=interpret))
+  return _amax_call(x, sign_words(transform, key), AmaxConfig(axis, transform, rows, cols, interpret=interpret))
