@@ -45,9 +45,10 @@ KERNELS = {
 }
 
 
-def triton_ir(fn, shape: tuple[int, int]) -> str:
-  """The Triton IR module text of the last Pallas kernel `fn` launches (the quantizer, after any amax
-  pre-pass such as `rotate.rotated_amax`), lowered for an (abstract) H200."""
+def triton_irs(fn, shape: tuple[int, int]) -> list[str]:
+  """The Triton IR module text of every Pallas kernel `fn` launches on a bf16 array of `shape`, in launch
+  order, lowered on CPU for an (abstract) H200."""
+  jax.clear_caches()  # a kernel lowered before (e.g. an inner jit traced the same way) would not lower again
   modules = []
   lower = registration.lowering.lower_jaxpr_to_triton_module
 
@@ -63,6 +64,13 @@ def triton_ir(fn, shape: tuple[int, int]) -> str:
       jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
   finally:
     registration.lowering.lower_jaxpr_to_triton_module = lower
+  return modules
+
+
+def triton_ir(fn, shape: tuple[int, int]) -> str:
+  """The Triton IR of the last Pallas kernel `fn` launches (the quantizer, after any amax pre-pass such as
+  `rotate.rotated_amax`)."""
+  modules = triton_irs(fn, shape)
   if not modules:
     raise RuntimeError("no Pallas kernel lowered")
   return modules[-1]

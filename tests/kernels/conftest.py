@@ -1,31 +1,23 @@
 """Fixtures of the kernel tests."""
 
-import jax
-import jax.numpy as jnp
+import importlib.util
+import pathlib
+
 import pytest
 
 
+@pytest.fixture(scope="session")
+def compile_time_script():
+  """scripts/triton_compile_time.py as a module: its kernel list and Triton-IR lowering (no GPU needed)."""
+  path = pathlib.Path(__file__).parents[2] / "scripts" / "triton_compile_time.py"
+  spec = importlib.util.spec_from_file_location("triton_compile_time", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  return script
+
+
 @pytest.fixture
-def triton_modules(monkeypatch):
+def triton_modules(compile_time_script):
   """lower(fn, shape) -> the Triton IR text of every Pallas kernel in `fn` applied to a bf16 array of `shape`,
-  lowered on CPU for an abstract H200 (no GPU needed)."""
-  from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-direct-jax-src
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-  real = registration.lowering.lower_jaxpr_to_triton_module
-
-  def lower(fn, shape):
-    modules = []
-
-    def spy(*args, **kwargs):
-      result = real(*args, **kwargs)
-      modules.append(str(result.module.operation))
-      return result
-
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", spy)
-    mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-    with use_abstract_mesh(mesh):
-      jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", real)
-    return modules
-
-  return lower
+  lowered on CPU for an abstract H200."""
+  return compile_time_script.triton_irs
