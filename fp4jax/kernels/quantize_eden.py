@@ -52,7 +52,8 @@ TRANSFORMS = ("h16", "h32", "rht16", "rht32", "rht128")
 DTYPES = (jnp.bfloat16, jnp.float32)
 # Positions of the other axis per program, largest first. H200, both views of a bf16 dY (amax pass included,
 # `python3 -m fp4jax.bench quantize --variants "eden dY rht128,..."`): 16 columns / 4 warps 1236 us at
-# 16384x4096 and 4140 us at 16384x14336; 32 / 4 warps 1506 and 4990 us; 64 / 8 warps 1451 and 4905 us.
+# 16384x4096 and 4140 us at 16384x14336; 32 / 4 warps 1506 and 4990 us; 64 / 8 warps 1451 and 4905 us
+# (the kernel as of commit 5069c88, before the shared-helper refactor).
 BLOCK_C = (64, 32, 16)
 
 _F32_ABS = 0x7FFFFFFF
