@@ -4,8 +4,9 @@ A linear layer runs three GEMMs, each with two operands (docs/ARCHITECTURE.md):
   fprop  Y  = X W      operands fprop_x, fprop_w      contraction K
   dgrad  dX = dY W^T   operands dgrad_dy, dgrad_w     contraction N
   wgrad  dW = X^T dY   operands wgrad_x, wgrad_dy     contraction M (tokens)
-An `OperandSpec` says how one operand is quantized along its GEMM's contraction axis; a `Route` holds six
-of them. Both are frozen and hashable, so a route crosses `jit` / `custom_vjp` as one static object.
+An `OperandSpec` (`fp4jax.numerics.spec`) says how one operand is quantized along its GEMM's contraction axis;
+a `Route` holds six of them. Both are frozen and hashable, so a route crosses `jit` / `custom_vjp` as one
+static object.
 
 Random bits: a route that needs them (`Route.needs_key`) takes one key per call; `operand_key` and
 `transform_key` derive a deterministic key per operand role and per GEMM from it (the rule is public so
@@ -21,14 +22,8 @@ import dataclasses
 
 import jax
 
-from fp4jax.formats import FORMATS
-from fp4jax.hadamard import KINDS
-from fp4jax.reference import EDEN_GROUP
+from fp4jax.numerics.spec import HP, TRANSFORMS, OperandKeys, OperandSpec
 
-ROUNDINGS = ("rne", "sr", "eden")
-# Transform name -> its block size along the contraction axis and whether its signs are random.
-TRANSFORMS = KINDS
-SCALE_RULES = ("ocp", "noclip")
 ROLES = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
 ROLE_INDEX = {role: i for i, role in enumerate(ROLES)}
 # GEMM name -> (key index, its two operand roles: the "a" (rows of the result) and "b" operands).
@@ -38,80 +33,6 @@ GEMMS: dict[str, tuple[int, str, str]] = {
     "wgrad": (8, "wgrad_x", "wgrad_dy"),
 }
 GEMM_INDEX = {gemm: idx for gemm, (idx, _, _) in GEMMS.items()}
-
-
-def _check_choice(what: str, value, valid) -> None:
-  if value not in valid:
-    raise ValueError(f"unknown {what} {value!r}; valid values: {sorted(valid, key=str)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class OperandSpec:
-  """How one GEMM operand is quantized along the GEMM's contraction axis.
-
-  Attributes:
-    fmt: a key of `fp4jax.formats.FORMATS`, or None to keep the operand in high precision.
-    rounding: "rne" (round to nearest even), "sr" (stochastic) or "eden" (MS-EDEN: NVFP4 formats only,
-      normally after a random Hadamard transform).
-    transform: None or a key of `TRANSFORMS`, applied along the contraction axis (to both operands of the
-      GEMM, so it cancels in the product).
-    tile_2d: one scale per 2-D tile (32x32 MX, 16x16 NV), so both orientations share the same codes.
-    scale_rule: MXFP4 block-exponent rule ("ocp" or "noclip"); None = the quantizer's default.
-    clip_fraction: Hu's bounded clipping for MX 2-D tiles (e.g. 0.87), or None.
-  """
-
-  fmt: str | None
-  rounding: str = "rne"
-  transform: str | None = None
-  tile_2d: bool = False
-  scale_rule: str | None = None
-  clip_fraction: float | None = None
-
-  def __post_init__(self):
-    if self.fmt is None:
-      if (self.rounding, self.transform, self.tile_2d, self.scale_rule, self.clip_fraction) != (
-          "rne", None, False, None, None):
-        raise ValueError(f"a high-precision operand (fmt=None) takes no other options: {self}")
-      return
-    _check_choice("FP4 format", self.fmt, FORMATS)
-    _check_choice("rounding", self.rounding, ROUNDINGS)
-    if self.transform is not None:
-      _check_choice("transform", self.transform, TRANSFORMS)
-    if self.scale_rule is not None:
-      _check_choice("scale_rule", self.scale_rule, SCALE_RULES)
-    if self.rounding == "eden" and (self.fmt != "nvfp4" or self.tile_2d):
-      raise ValueError(f"rounding='eden' (MS-EDEN) needs fmt='nvfp4' with 1-D blocks: {self}")
-    mx_only = {"scale_rule": self.scale_rule, "clip_fraction": self.clip_fraction}
-    for option, value in mx_only.items():
-      if value is not None and FORMATS[self.fmt].scale != "e8m0":
-        raise ValueError(f"{option}={value!r} applies to MX formats only, got fmt={self.fmt!r}")
-    if self.clip_fraction is not None and not 0.0 < self.clip_fraction <= 1.0:
-      raise ValueError(f"{self.clip_fraction=} must lie in (0, 1]")
-
-  @property
-  def quantized(self) -> bool:
-    return self.fmt is not None
-
-  @property
-  def needs_key(self) -> bool:
-    """True if quantizing this operand draws random bits (SR, MS-EDEN, random Hadamard signs)."""
-    random_transform = self.transform is not None and TRANSFORMS[self.transform].random_signs
-    return self.rounding in ("sr", "eden") or random_transform
-
-  @property
-  def blocks(self) -> dict[str, int]:
-    """Divisibility this operand needs along the contraction axis: {reason: multiple}."""
-    if self.fmt is None:
-      return {}
-    out = {f"{self.fmt} block": FORMATS[self.fmt].block}
-    if self.transform is not None:
-      out[f"{self.transform} transform"] = TRANSFORMS[self.transform].n
-    if self.rounding == "eden":
-      out["MS-EDEN group"] = EDEN_GROUP
-    return out
-
-
-HP = OperandSpec(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +89,15 @@ def operand_key(key: jax.Array, role: str) -> jax.Array:
 def transform_key(key: jax.Array, gemm: str) -> jax.Array:
   """The random-Hadamard key of one GEMM, shared by both of its operands."""
   return jax.random.fold_in(key, GEMM_INDEX[gemm])
+
+
+def operand_keys(spec: OperandSpec, key: jax.Array, role: str) -> OperandKeys:
+  """The keys quantizing operand `role` under `spec` takes from the call's key: its rounding key (None for
+  round-to-nearest) and its GEMM's transform key (None without random Hadamard signs)."""
+  rounding = operand_key(key, role) if spec.rounding != "rne" else None
+  random_transform = spec.transform is not None and TRANSFORMS[spec.transform].random_signs
+  transform = transform_key(key, role.split("_")[0]) if random_transform else None  # "wgrad_dy" -> "wgrad"
+  return OperandKeys(rounding, transform)
 
 
 _MX = OperandSpec("mxfp4")

@@ -2,7 +2,7 @@
 # The H200 measurements in docs/BENCHMARKS.md, in one GPU session (run from the repo root on the GPU machine,
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
-# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.fused_quantizer=xla --set run.routes=[nvfp4_tile_local]")
+# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
 # parts: tests quantize dot compile train (default: all but compile). Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
 # the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
@@ -26,18 +26,18 @@ for part in "${parts[@]}"; do
         | tail -45 ;;
     quantize)
       log "fused quantizer bench"
-      timeout ${QUANTIZE_LIMIT:-400} python3 -m fp4jax.bench quantize --out "$OUT/quantize" \
+      timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
         --variants "${QUANTIZE_VARIANTS:-rne/ocp,w32x32/noclip/0.87,views dY sr|rne,views X rne|rne+h32,views dY sr|rne+h32,nv rne|rne,nv dY sr|rne,nvtile rne|rne,nvtile dY sr|rne,nv X rne|rne+rht16,nv dY sr|sr+rht16,nv W 16x16,eden dY rht128}" \
         2>&1 | tail -60 ;;
     dot)
       log "fp4_dot bench (Llama-8B shapes, M=16384)"
-      XLA_FLAGS=$DOT_FLAGS timeout ${DOT_LIMIT:-400} python3 -m fp4jax.bench dot --no-gemm-rows --iters 10 \
+      XLA_FLAGS=$DOT_FLAGS timeout ${DOT_LIMIT:-400} python3 -m bench dot --no-gemm-rows --iters 10 \
         --no-check --unfused --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
         2>&1 | grep -v "compiling and timing" | tail -60 ;;
     compile)
       log "fp4_dot compile time, default XLA flags vs $DOT_FLAGS"
-      timeout 200 python3 -m fp4jax.bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8
-      XLA_FLAGS=$DOT_FLAGS timeout 100 python3 -m fp4jax.bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8 ;;
+      timeout 200 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8
+      XLA_FLAGS=$DOT_FLAGS timeout 100 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \

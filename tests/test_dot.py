@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import kernels
+from fp4jax import Impl
 from fp4jax import route as routes
 from fp4jax.dot import fp4_dot, other_orientation
-from fp4jax.hadamard import hadamard
-from fp4jax.reference import dequantize, quantize
+from fp4jax.numerics.hadamard import hadamard
+from fp4jax.numerics.reference import dequantize, quantize
 
 # The documented key rule (fp4jax/route.py): fold_in(key, index), one index per operand role and per GEMM.
 ROLE_INDEX = dict(fprop_x=0, fprop_w=1, dgrad_dy=2, dgrad_w=3, wgrad_dy=4, wgrad_x=5)
@@ -65,6 +65,7 @@ def _data(m=M, k=K, n=N, dtype=jnp.float32, seed=0):
 
 
 def _vjp(route, x, w, dy, key=None, impl=None):
+  impl = Impl(gemm=impl) if isinstance(impl, str) else impl
   y, f = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=impl), x, w)
   return (y, *f(dy))
 
@@ -302,21 +303,20 @@ def test_quartet2_needs_rht_block_on_tokens():
     fp4_dot(jnp.ones((64, 64)), jnp.ones((64, 128)), route="quartet2", key=jax.random.key(0))
 
 
-def test_backend_selection_and_errors():
+def test_impl_choices_and_errors():
   x, w, _ = _data()
-  a, b = quantize(x, "mxfp4", axis=1), quantize(w, "mxfp4", axis=0)
-  assert kernels.default_backend(a, b) == "emulated"  # CPU.
-  with pytest.raises(ValueError, match="unknown GEMM backend impl='nope'.*emulated"):
-    fp4_dot(x, w, route="mxfp4_rtn", impl="nope")
-  _close(fp4_dot(x, w, route="mxfp4_rtn", impl="emulated"), fp4_dot(x, w, route="mxfp4_rtn"))
-
-
-@pytest.mark.parametrize("route", ["bf16", MIXED_ROUTES["weight_only"]])
-def test_unknown_backend_fails_even_where_no_fp4_gemm_runs(route):
-  """A misspelt impl= is an error on every route, not only where both operands of a GEMM are FP4."""
-  x, w, _ = _data()
-  with pytest.raises(ValueError, match="unknown GEMM backend impl='nope'"):
-    fp4_dot(x, w, route=route, impl="nope")
+  with pytest.raises(ValueError, match="unknown GEMM backend 'nope'.*emulated"):
+    Impl(gemm="nope")
+  with pytest.raises(ValueError, match="unknown quantizer implementation 'cuda'"):
+    Impl(quantizer="cuda")
+  with pytest.raises(TypeError, match="impl= takes an fp4jax.Impl"):
+    fp4_dot(x, w, route="mxfp4_rtn", impl="emulated")
+  with pytest.raises(ValueError, match="compiles the Pallas kernels for a GPU"):
+    fp4_dot(x, w, route="mxfp4_rtn", impl=Impl(quantizer="pallas"))
+  _close(fp4_dot(x, w, route="mxfp4_rtn", impl=Impl(gemm="emulated")), fp4_dot(x, w, route="mxfp4_rtn"))
+  with pytest.raises(ValueError, match="GEMM backend 'native' does not support"):
+    fp4_dot(x, w, route=routes.Route("mx_nv", fprop_x=routes.OperandSpec("mxfp4"),
+                                     fprop_w=routes.OperandSpec("nvfp4")), impl=Impl(gemm="native"))
 
 
 @pytest.mark.parametrize("key", [0, jnp.zeros(2), jnp.zeros(2, jnp.int32), jax.random.split(jax.random.key(0))],
@@ -328,14 +328,6 @@ def test_bad_key_fails_at_the_call(key):
     fp4_dot(x, w, route="nvfp4_sr", key=key)
 
 
-def test_missing_backend_module_fails_only_when_asked_for(monkeypatch):
-  monkeypatch.setitem(kernels.BACKENDS, "ghost", kernels.Backend("ghost", "fp4jax.kernels.gemm_ghost"))
-  x, w, _ = _data()
-  assert not kernels.BACKENDS["ghost"].available
-  with pytest.raises(ValueError, match="impl='ghost' is not available"):
-    fp4_dot(x, w, route="mxfp4_rtn", impl="ghost")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
 def test_default_gpu_backend_equals_emulated(name):
@@ -343,41 +335,6 @@ def test_default_gpu_backend_equals_emulated(name):
   key = jax.random.key(0)
   for got, want in zip(_vjp(name, x, w, dy, key=key), _vjp(name, x, w, dy, key=key, impl="emulated")):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
-
-
-class _FakeDevice:
-
-  def __init__(self, platform, compute_capability=None):
-    self.platform, self.compute_capability = platform, compute_capability
-
-
-@pytest.mark.parametrize("platform, cc, want", [
-    ("cpu", None, "other"), ("gpu", "8.0", "other"), ("gpu", "9.0", "sm90"), ("gpu", "10.0", "sm100"),
-    ("gpu", "12.0", "sm100"),
-])
-def test_device_generation(platform, cc, want):
-  assert kernels.device_generation(_FakeDevice(platform, cc)) == want
-
-
-@pytest.mark.parametrize("backend", [n for n in kernels.BACKENDS if n != "emulated"])
-def test_backends_equal_emulated(backend):
-  be = kernels.BACKENDS[backend]
-  if not be.available:
-    pytest.skip(f"{be.module} not written yet")
-  x, w, _ = _data()
-  pairs = {
-      "mxfp4": (quantize(x, "mxfp4", axis=1), quantize(w, "mxfp4", axis=0, tile_2d=True)),
-      "nvfp4": (quantize(x, "nvfp4", axis=1), quantize(w, "nvfp4", axis=0, tile_2d=True)),
-      "nvfp4_tile": (quantize(x, "nvfp4_tile", axis=1), quantize(w, "nvfp4_tile", axis=0)),
-  }
-  ran = []
-  for fmt, (a, b) in pairs.items():
-    if be.supports(a, b):
-      want = kernels.BACKENDS["emulated"].gemm(a, b, out_dtype=jnp.float32)
-      _close(be.gemm(a, b, out_dtype=jnp.float32), want)
-      ran.append(fmt)
-  if not ran:
-    pytest.skip(f"{backend} supports none of {list(pairs)} here")
 
 
 _SHARDED = """

@@ -108,15 +108,22 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """`fused_quantizer`: where fp4_dot's fused Pallas quantizers replace XLA's reference quantizers (same bits):
-  "gpu" (on GPUs, the default), "xla" (XLA's quantizers everywhere, e.g. to measure what the kernels buy),
-  "interpret" (Pallas interpret mode, slow: tests). `fp4jax.dot.FUSED_QUANTIZER`."""
-  fused_quantizer: str = "gpu"
+  """How fp4_dot runs (`fp4jax.Impl`; the numbers do not depend on it). `quantizer`: "auto" (the fused Pallas
+  kernels on GPUs, XLA elsewhere), "pallas", "interpret" (Pallas interpret mode, slow: tests) or "xla" (XLA's
+  reference quantizers, e.g. to measure what the kernels buy). `gemm`: "auto", "emulated", "fp8", "native"."""
+  quantizer: str = "auto"
+  gemm: str = "auto"
 
   def __post_init__(self):
-    from fp4jax import dot  # pylint: disable=g-import-not-at-top
-    modes = dot.FUSED_QUANTIZER_MODES
-    _check_counts("kernels", self, {"fused_quantizer": (lambda v: v in modes, f"one of {modes}")})
+    from fp4jax.ops import gemm, quantize  # pylint: disable=g-import-not-at-top
+    _check_counts("kernels", self, {
+        "quantizer": (lambda v: v in quantize.CHOICES, f"one of {quantize.CHOICES}"),
+        "gemm": (lambda v: v in gemm.CHOICES, f"one of {gemm.CHOICES}")})
+
+  def impl(self):
+    """The `fp4jax.Impl` these settings name."""
+    from fp4jax import Impl  # pylint: disable=g-import-not-at-top
+    return Impl(quantizer=self.quantizer, gemm=self.gemm)
 
 
 @dataclasses.dataclass(frozen=True)

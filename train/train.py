@@ -136,9 +136,10 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   tx = make_tx(cfg.optim, cfg.run.steps)
   if cfg.model.dtype not in DTYPES:
     raise ValueError(f"model.dtype={cfg.model.dtype!r}; valid: {list(DTYPES)}")
+  impl = cfg.kernels.impl()
 
   def create():
-    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), dtype=DTYPES[cfg.model.dtype],
+    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), impl=impl, dtype=DTYPES[cfg.model.dtype],
                   scan_layers=cfg.model.scan_layers)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -319,14 +320,6 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   return {**row, "losses": rec.losses}
 
 
-@contextlib.contextmanager
-def fused_paths(kernels: config_lib.KernelConfig):
-  """`kernels.fused_quantizer` in effect in fp4jax.dot while inside (read when a step traces)."""
-  from fp4jax import dot  # pylint: disable=g-import-not-at-top
-  with dot.fused_quantizer(kernels.fused_quantizer):
-    yield
-
-
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   """One run per route of `run.routes` (compare mode, out_dir/<route>/) or of `route`; shared data.
 
@@ -347,8 +340,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
     sub = config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)} if compare
                              else {})
     try:
-      with fused_paths(cfg.kernels):
-        rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
+      rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
     except NonFiniteLossError as e:
       log.write(f"{e}\n")
       if not compare:

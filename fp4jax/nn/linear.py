@@ -18,6 +18,7 @@ from flax import nnx
 
 from fp4jax import route as route_lib
 from fp4jax.dot import fp4_dot
+from fp4jax.impl import Impl
 from fp4jax.route import Route
 
 Initializer = Callable[..., jax.Array]
@@ -39,8 +40,9 @@ class FP4Linear(nnx.Module):
 
   The kernel is stored in `param_dtype` ([in, out], as nnx.Linear) and cast to `dtype` before the dot, so
   the optimizer updates full-precision master weights while the GEMM sees bf16 (then FP4 per the route).
-  The route is resolved once here and kept as a static attribute: it is part of the graph definition, not
-  of the state, so changing it means building a new module.
+  The route and the implementation choice (`impl`: quantizer implementation, GEMM backend) are kept as static
+  attributes: they are part of the graph definition, not of the state, so changing them means building a new
+  module.
   """
 
   def __init__(
@@ -49,6 +51,7 @@ class FP4Linear(nnx.Module):
       out_features: int,
       *,
       route: str | Route = "bf16",
+      impl: Impl = Impl(),
       use_bias: bool = False,
       dtype: Any = jnp.bfloat16,
       param_dtype: Any = jnp.float32,
@@ -60,6 +63,9 @@ class FP4Linear(nnx.Module):
     self.in_features = in_features
     self.out_features = out_features
     self.route = route_lib.get(route)
+    if not isinstance(impl, Impl):
+      raise TypeError(f"FP4Linear's impl= takes an fp4jax.Impl, got {impl!r}")
+    self.impl = impl
     self.dtype = dtype
     self.out_dtype = out_dtype or dtype  # e.g. float32 logits from bf16 operands (the float32 accumulator)
     self.param_dtype = param_dtype
@@ -76,13 +82,14 @@ class FP4Linear(nnx.Module):
     if x.shape[-1] != self.in_features:
       raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
     y = fp4_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), route=self.route, key=key,
-                out_dtype=self.out_dtype)
+                impl=self.impl, out_dtype=self.out_dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.out_dtype)
     return y  # [..., out]
 
 
-def fp4_dot_general(route: str | Route, key: jax.Array | None = None) -> Callable[..., jax.Array]:
+def fp4_dot_general(route: str | Route, key: jax.Array | None = None,
+                    impl: Impl = Impl()) -> Callable[..., jax.Array]:
   """A `dot_general` hook for stock `nnx.Linear(..., dot_general=fp4_dot_general(route))`.
 
   Handles only what nnx.Linear issues: lhs [..., K] contracted on its last axis with a 2-D rhs [K, N] on
@@ -105,7 +112,7 @@ def fp4_dot_general(route: str | Route, key: jax.Array | None = None) -> Callabl
           f"rhs.shape={rhs.shape}, {dimension_numbers=}, expected {standard}")
     if out_sharding is not None:
       raise NotImplementedError(f"fp4_dot_general does not take {out_sharding=}")
-    y = fp4_dot(lhs, rhs.astype(lhs.dtype), route=resolved, key=key)
+    y = fp4_dot(lhs, rhs.astype(lhs.dtype), route=resolved, key=key, impl=impl)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
 
   return dot_general

@@ -2,6 +2,7 @@
 
 import glob
 
+import jax
 import pytest
 
 from train import config
@@ -69,13 +70,19 @@ def test_cli_rejects_bad_override(capsys):
   assert e.value.code == 2 and "unknown key(s) ['optim.lrr']" in capsys.readouterr().err
 
 
-def test_fused_quantizer_mode_reaches_fp4_dot_only_inside_the_run():
-  from fp4jax import dot
+def test_kernels_section_reaches_every_linear():
+  """`kernels:` becomes the model's Impl, held by every FP4Linear (no global switch)."""
+  from fp4jax import Impl
+  from fp4jax.nn import FP4Linear
+  from flax import nnx
   from train import train
-  cfg = config.load_config(None, ["kernels.fused_quantizer=xla"])
-  before = dot.FUSED_QUANTIZER
-  with train.fused_paths(cfg.kernels):
-    assert dot.FUSED_QUANTIZER == "xla"
-  assert dot.FUSED_QUANTIZER == before
-  with pytest.raises(config.ConfigError, match="kernels.fused_quantizer='cuda' must be one of"):
-    config.load_config(None, ["kernels.fused_quantizer=cuda"])
+  cfg = config.load_config(None, ["kernels.quantizer=xla", "kernels.gemm=emulated", "route=mxfp4"])
+  assert cfg.kernels.impl() == Impl(quantizer="xla", gemm="emulated")
+  ts = train.init_train_state(cfg, 256, train.make_mesh((1, 1), jax.devices()[:1]))
+  model, _ = nnx.merge(ts.graphdef, ts.state)
+  impls = {m.impl for _, m in nnx.iter_graph(model) if isinstance(m, FP4Linear)}
+  assert impls == {Impl(quantizer="xla", gemm="emulated")}
+  with pytest.raises(config.ConfigError, match="kernels.quantizer='cuda' must be one of"):
+    config.load_config(None, ["kernels.quantizer=cuda"])
+  with pytest.raises(config.ConfigError, match="kernels.gemm='cublas' must be one of"):
+    config.load_config(None, ["kernels.gemm=cublas"])

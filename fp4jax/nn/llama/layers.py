@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fp4jax.impl import Impl
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
@@ -100,16 +101,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Arr
 
 
 class _Linears:
-  """Builds the FP4Linear at `{prefix}.{name}` with its route from the rules and FSDP sharding."""
+  """Builds the FP4Linear at `{prefix}.{name}` with its route from the rules, `impl` and FSDP sharding."""
 
-  def __init__(self, config: LlamaConfig, rules: RouteRules, prefix: str, rngs: nnx.Rngs, dtype: Any,
-               param_dtype: Any):
-    self.config, self.rules, self.prefix = config, rules, prefix
+  def __init__(self, config: LlamaConfig, rules: RouteRules, impl: Impl, prefix: str, rngs: nnx.Rngs,
+               dtype: Any, param_dtype: Any):
+    self.config, self.rules, self.impl, self.prefix = config, rules, impl, prefix
     self.rngs, self.dtype, self.param_dtype = rngs, dtype, param_dtype
 
   def __call__(self, name: str, d_in: int, d_out: int) -> FP4Linear:
     return FP4Linear(
-        d_in, d_out, route=self.rules.resolve(f"{self.prefix}.{name}"), dtype=self.dtype,
+        d_in, d_out, route=self.rules.resolve(f"{self.prefix}.{name}"), impl=self.impl, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=nnx.initializers.normal(self.config.init_std),
         kernel_sharding=fsdp_sharding((d_in, d_out)), rngs=self.rngs)
 
@@ -120,13 +121,13 @@ class Attention(nnx.Module):
   The score and value products run in `dtype` (bf16) through `jax.nn.dot_product_attention`, never FP4.
   """
 
-  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
     self.layer = layer
     self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
     self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
     self.implementation = config.attention_impl
-    make = _Linears(config, rules, f"layers.{layer}.attn", rngs, dtype, param_dtype)
+    make = _Linears(config, rules, impl, f"layers.{layer}.attn", rngs, dtype, param_dtype)
     d, hd = config.dim, config.head_dim
     self.q = make("q", d, config.n_heads * hd)
     self.k = make("k", d, config.n_kv_heads * hd)
@@ -152,10 +153,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x)); the elementwise part in float32."""
 
-  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
     self.layer = layer
-    make = _Linears(config, rules, f"layers.{layer}.mlp", rngs, dtype, param_dtype)
+    make = _Linears(config, rules, impl, f"layers.{layer}.mlp", rngs, dtype, param_dtype)
     self.gate = make("gate", config.dim, config.ffn_dim)
     self.up = make("up", config.dim, config.ffn_dim)
     self.down = make("down", config.ffn_dim, config.dim)
@@ -173,12 +174,13 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs,
+  def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
     self.attn_norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
-    self.attn = Attention(config, layer=layer, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.attn = Attention(config, layer=layer, rules=rules, rngs=rngs, impl=impl, dtype=dtype,
+                          param_dtype=param_dtype)
     self.mlp_norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
-    self.mlp = MLP(config, layer=layer, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.mlp = MLP(config, layer=layer, rules=rules, rngs=rngs, impl=impl, dtype=dtype, param_dtype=param_dtype)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
                layer: int | jax.Array | None = None) -> jax.Array:

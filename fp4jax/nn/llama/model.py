@@ -5,9 +5,8 @@ Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with 
 consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the call:
 compile time then grows with the number of distinct runs, not with depth, the parameter tree is unchanged,
 and gradients flow back to each block through the stack; both give bit-identical numbers (the layer index
-reaches the per-linear keys as a traced scan input). The scan trades speed for compile time: on an H200, the
-125M preset in bf16 (batch 16 x 1024) trained at 136k tok/s with scan and 193k without, with 35.9 vs 25.3 GiB
-peak memory, and compiled in 11 s vs 18 s (docs/BENCHMARKS.md); on CPU, 12 layers compiled in 9.5 s vs 46 s.
+reaches the per-linear keys as a traced scan input). The scan trades step speed and memory for compile time
+(docs/BENCHMARKS.md has the measurements).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax.impl import Impl
 from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
@@ -35,15 +35,15 @@ class Llama(nnx.Module):
   with the same bits.
   """
 
-  def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
-               param_dtype: Any = jnp.float32, scan_layers: bool = False):
+  def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool = False):
     self.config = config
     self.scan_layers = scan_layers
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
     self.layers = nnx.List([
-        Block(config, layer=i, rules=rules, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        Block(config, layer=i, rules=rules, rngs=rngs, impl=impl, dtype=dtype, param_dtype=param_dtype)
         for i in range(config.n_layers)
     ])
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -51,7 +51,8 @@ class Llama(nnx.Module):
       self.lm_head = nnx.data(None)
     else:
       self.lm_head = FP4Linear(
-          config.dim, config.vocab_size, route=rules.resolve("lm_head"), dtype=dtype, param_dtype=param_dtype,
+          config.dim, config.vocab_size, route=rules.resolve("lm_head"), impl=impl, dtype=dtype,
+          param_dtype=param_dtype,
           kernel_init=nnx.initializers.normal(config.init_std),
           kernel_sharding=fsdp_sharding((config.dim, config.vocab_size)), out_dtype=jnp.float32, rngs=rngs)
 

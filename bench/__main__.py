@@ -1,0 +1,31 @@
+"""`python -m bench dot|quantize|compile|program|triton [options]` (`--help` on each)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench import compile as compile_bench
+from bench import dot, program, quantize, triton
+
+# name -> (module with add_args(parser) and run(args), help)
+SUBCOMMANDS = {
+    "dot": (dot, "GEMMs and fp4_dot at Llama-8B shapes vs bf16 and FP8"),
+    "quantize": (quantize, "the fused quantizers: bit-exactness and speed against XLA and a copy"),
+    "compile": (compile_bench, "fp4_dot lower + compile time per route"),
+    "program": (program, "hashes of the program fp4_dot lowers to on an H200 (CPU, no GPU needed)"),
+    "triton": (triton, "Triton compile time of the Pallas kernels (CPU, no GPU needed)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  for name, (module, help_) in SUBCOMMANDS.items():
+    module.add_args(sub.add_parser(name, help=help_, description=module.__doc__.splitlines()[0]))
+  args = parser.parse_args(argv)
+  return SUBCOMMANDS[args.command][0].run(args) or 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

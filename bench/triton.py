@@ -1,0 +1,123 @@
+"""`python -m bench triton`: compile time of the fused Pallas kernels without a GPU: Triton IR from the Pallas
+lowering, compiled to PTX and cubin for sm_90 by the `triton` package (not an fp4jax dependency:
+`pip install triton==3.5.1`).
+
+  python -m bench triton [--shape 4096x4096] [kernel ...]
+
+XLA compiles the same Triton IR with its own Triton build, so the seconds are a proxy; a kernel that is slow here
+(e.g. one pass taking most of the time: rerun with MLIR_ENABLE_TIMING=1) was slow on the H200 too. Prints, per
+kernel: IR size, compile seconds, and from the PTX the shared-memory and shuffle traffic (layout conversions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-direct-jax-src
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.ops.quantize.pallas import amax, eden, mxfp4, nvfp4
+
+KEY = jax.random.key(0)
+KEYS = OperandKeys(KEY, KEY)
+_MX, _MX_SR = OperandSpec("mxfp4"), OperandSpec("mxfp4", "sr")
+_NV, _NV_SR = OperandSpec("nvfp4"), OperandSpec("nvfp4", "sr")
+_EDEN = OperandSpec("nvfp4", "eden", transform="rht128")
+_W32 = OperandSpec("mxfp4", tile_2d=True, scale_rule="noclip", clip_fraction=0.87)
+KERNELS = {
+    "mx rne": lambda x: mxfp4.views(x, _MX, _MX),
+    "mx dY sr|rne": lambda x: mxfp4.views(x, _MX_SR, _MX, KEYS),
+    "mx X rne|rne+h32": lambda x: mxfp4.views(x, _MX, OperandSpec("mxfp4", transform="h32")),
+    "mx w32x32": lambda x: mxfp4.views(x, _W32, _W32),
+    "nv rne|rne": lambda x: nvfp4.views(x, _NV, _NV),
+    "nv 16x16": lambda x: nvfp4.views(x, OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),
+    "nv 4/6": lambda x: nvfp4.views(x, OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),
+    "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), KEYS,
+                                               KEYS),
+    # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
+    "eden col rht128": lambda x: eden.operand(x, _EDEN, 0, KEYS, tensor_amax=1.0),
+    "eden row rht128": lambda x: eden.operand(x, _EDEN, 1, KEYS, tensor_amax=1.0),
+    "eden amax rht128": lambda x: amax.rotated_amax(x, "rht128", KEY),
+}
+
+
+@contextlib.contextmanager
+def on_abstract_h200():
+  """Inside: JAX lowers for an (abstract) H200 on any machine; yields the list that collects the Triton IR
+  module text of every Pallas kernel lowered meanwhile, in launch order."""
+  modules = []
+  lower = registration.lowering.lower_jaxpr_to_triton_module
+
+  def spy(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  jax.clear_caches()  # a kernel lowered before (e.g. an inner jit traced the same way) would not lower again
+  registration.lowering.lower_jaxpr_to_triton_module = spy
+  try:
+    mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+    with use_abstract_mesh(mesh):
+      yield modules
+  finally:
+    registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def triton_irs(fn, shape: tuple[int, int]) -> list[str]:
+  """The Triton IR module text of every Pallas kernel `fn` launches on a bf16 array of `shape`, in launch
+  order, lowered on CPU for an (abstract) H200."""
+  with on_abstract_h200() as modules:
+    jax.jit(fn).trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+  return modules
+
+
+def triton_ir(fn, shape: tuple[int, int]) -> str:
+  """The Triton IR of the last Pallas kernel `fn` launches (the quantizer, after any amax pre-pass such as
+  `amax.rotated_amax`)."""
+  modules = triton_irs(fn, shape)
+  if not modules:
+    raise RuntimeError("no Pallas kernel lowered")
+  return modules[-1]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
+  parser.add_argument("--shape", default="4096x4096")
+  parser.add_argument("--num-warps", type=int, default=4)
+
+
+def run(args: argparse.Namespace) -> None:
+  unknown = sorted(set(args.kernels) - set(KERNELS))
+  if unknown:
+    raise SystemExit(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
+  shape = tuple(int(d) for d in args.shape.split("x"))
+  os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    triton = None
+    print("the `triton` package is missing: printing IR sizes only (pip install triton==3.5.1)")
+  for name in args.kernels:
+    ir = triton_ir(KERNELS[name], shape)
+    line = f"{name:20s} IR {ir.count(chr(10)):6d} lines"
+    if triton is not None:
+      with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
+        f.write(ir)
+      t0 = time.perf_counter()
+      kernel = triton.compile(f.name, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.num_warps})
+      seconds = time.perf_counter() - t0
+      os.unlink(f.name)
+      ptx = kernel.asm["ptx"]
+      count = lambda pattern: len(re.findall(pattern, ptx))
+      line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines  st/ld.shared "
+               f"{count(r'st\.shared')}/{count(r'ld\.shared')}  shfl {count(r'shfl')}  smem {kernel.metadata.shared} B")
+    print(line, flush=True)

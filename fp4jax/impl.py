@@ -1,0 +1,45 @@
+"""How fp4_dot runs, as one frozen value: which quantizer implementation and which GEMM backend.
+
+`Impl` changes where and how fast the numbers are computed, never the numbers: every quantizer
+implementation gives the reference's bits, every GEMM backend the emulated product (up to the order of
+float32 sums). It is hashable and static, like a route: fp4_dot carries it in its plan across jit and
+custom_vjp, FP4Linear and Llama hold it, and the training config sets it (`kernels:`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fp4jax.numerics.spec import check_choice
+from fp4jax.ops import gemm
+from fp4jax.ops.quantize import api as quantize_api
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """The implementation choice of an fp4_dot.
+
+  Attributes:
+    quantizer: "auto" (the fused Pallas kernels on a GPU backend, else XLA), "pallas" (the kernels, compiled
+      for the GPU), "interpret" (the kernels in Pallas interpret mode, on any backend: slow, for tests) or
+      "xla" (the reference quantizers compiled by XLA). Wherever a kernel does not cover an operand, the XLA
+      reference quantizes it (`ops.quantize.api`).
+    gemm: "auto" (the fastest backend the device generation and the operands allow), "emulated"
+      (dequantize and dot, anywhere), "fp8" (Hopper FP8 tensor cores) or "native" (Blackwell block-scaled).
+  """
+
+  quantizer: str = "auto"
+  gemm: str = "auto"
+
+  def __post_init__(self):
+    check_choice("quantizer implementation", self.quantizer, quantize_api.CHOICES)
+    gemm.registry.check_choice(self.gemm)
+
+  def resolved(self) -> Impl:
+    """This choice with "auto" quantizing resolved for the current default backend (at trace time); a
+    "pallas" choice where the default backend is not a GPU fails here, naming the alternatives."""
+    quantizer = quantize_api.resolve(self.quantizer)
+    if quantizer == "pallas" and quantize_api.resolve("auto") != "pallas":
+      raise ValueError("Impl(quantizer='pallas') compiles the Pallas kernels for a GPU, but JAX's default "
+                       "backend is not one: use 'auto', 'xla' or 'interpret'")
+    return dataclasses.replace(self, quantizer=quantizer)

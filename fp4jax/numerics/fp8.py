@@ -1,0 +1,150 @@
+"""The exact re-encoding of an MXFP4 operand as FP8 (E4M3) values with power-of-two factors: what lets a
+Hopper FP8 tensor core compute an MXFP4 product (`ops/gemm/fp8.py`), defined once for the GEMM and the Pallas
+encoder (`ops/quantize/pallas/fp8.py`).
+
+Element k of row r is e2m1(q) * 2^e_b (e_b: its block's E8M0 exponent). With e_row = max(the largest finite
+block exponent of the row, -120), the row is re-encoded as
+
+    values[r, k]  = RNE_E4M3(e2m1(q) * 2^(e_b - e_row + 6))     float8_e4m3fn
+    row_scale[r]  = 2^(e_row - 6)                                float32, built from exponent bits (exact)
+
+so values * row_scale = the MXFP4 value. The "+ 6" puts the row's largest block at 6 * 2^6 = 384 <= 448.
+Exactness: with d = e_row - e_b >= 0, every E2M1 value is a multiple of 0.5 with at most 2 significant bits, so
+e2m1 * 2^(6 - d) is a multiple of 2^(5 - d): representable in E4M3 (smallest subnormal 2^-9) iff d <= 14.
+The encoding is exact for every block with d <= 14. A block with d >= 15 (2^15 times smaller than the row's
+largest block) rounds to nearest-even onto the E4M3 subnormal grid 2^-9: each of its elements moves by at most
+2^-10 * row_scale = 2^(e_row - 16), and blocks with d >= 19 become exactly 0 (their largest magnitude,
+6 * 2^(6 - d) <= 0.75 * 2^-10, is below half the smallest subnormal). Relative to the row's largest block
+scale 2^e_row that error is <= 2^-16.
+Real rows rarely span 2^15 (RNE quantizers give the block max 4..6 * 2^e_b), but a row holding, say, one
+exploding gradient block next to vanishing ones does: use `span_ok` to check, the emulated GEMM when exactness
+of such rows matters.
+
+One factor per tensor (`fp8_tensor_operand`): the same encoding with e_row replaced by the tensor's largest
+block exponent e_T, exact while every finite block has e_T - e_b <= 14 (`tensor_span_ok`).
+
+Special values: an E8M0 NaN scale (0xFF) encodes its block as E4M3 NaN (0x7F) and makes the row's row_scale
+NaN, so the output row (or column) is NaN, like the dequantized product. e_row ignores NaN blocks; all-zero
+blocks count like any other (quantizers give them the smallest scale). The floor -120 keeps row_scale >= 2^-126
+a normal float32 (XLA on CPU flushes float32 subnormals to zero).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.numerics import ieee
+from fp4jax.numerics.qtensor import QTensor
+
+E4M3_NAN_BITS = 0x7F
+E8M0_NAN = 255
+E8M0_BIAS = 127
+FP8_HEADROOM = 6  # log2 of the factor putting a row's largest block at <= 6 * 2^6 = 384 (E4M3 max 448).
+MAX_EXACT_SPAN = 14  # e_row - e_b up to which the E4M3 re-encoding is exact.
+# Floor of e_row, so that row_scale = 2^(e_row - 6) >= 2^-126 stays a normal float32 (XLA flushes subnormals on
+# CPU). A row whose blocks are all below 2^-120 then has d = e_row - e_b <= 7: still exact.
+E_ROW_MIN = -126 + FP8_HEADROOM
+
+
+class Fp8Operand(NamedTuple):
+  """An MXFP4 operand re-encoded for an FP8 GEMM: values * row_scale[:, None] = the MXFP4 values.
+
+  values: float8_e4m3fn [R, K] (K-major). row_scale: float32 [R], a power of two 2^(e_row - 6), or NaN.
+  """
+
+  values: jax.Array
+  row_scale: jax.Array
+
+
+def _check_2d(q: QTensor, what: str) -> None:
+  if len(q.shape) != 2:
+    raise ValueError(f"{what} needs a 2-D QTensor (K-major [R, K]); got {q.shape=}, {q.axis=}")
+
+
+def row_exponent(scales: jax.Array) -> jax.Array:
+  """e_row: int32 [R], the largest finite E8M0 block exponent of each row of uint8 `scales` [R, K/32].
+
+  At least E_ROW_MIN = -120 (so row_scale is a normal float32); NaN blocks (0xFF) are ignored.
+  """
+  s = scales.astype(jnp.int32)
+  return jnp.maximum(jnp.max(jnp.where(s == E8M0_NAN, 0, s), axis=-1) - E8M0_BIAS, E_ROW_MIN)
+
+
+def fp8_operand_from_codes(codes: jax.Array, scales: jax.Array) -> Fp8Operand:
+  """The `Fp8Operand` of raw MXFP4 arrays: packed uint8 codes [R, K/2] and uint8 E8M0 scales [R, K/32].
+
+  The definition fused kernels reproduce bit for bit (module docstring):
+    e_row = row_exponent(scales); shift = e_b - e_row + 6 per block;
+    values = float8_e4m3fn(RNE(e2m1(q) * 2^max(shift, -126))), 0x7F where the block's scale is 0xFF;
+    row_scale = 2^(e_row - 6) (float32, from exponent bits), NaN where the row has a NaN block.
+  """
+  r, half_k = codes.shape
+  k = 2 * half_k
+  nb = scales.shape[-1]
+  if scales.shape != (r, nb) or k != 32 * nb:
+    raise ValueError(f"MXFP4 arrays disagree: {codes.shape=} (K={k}) needs scales [R, K/32]; {scales.shape=}")
+  e_row = row_exponent(scales)  # [R]
+  row_nan = jnp.any(scales == E8M0_NAN, axis=-1)
+  row_scale = jnp.where(row_nan, jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))  # [R] float32
+  return Fp8Operand(_encode_e4m3(codes, scales, e_row[:, None]), row_scale)
+
+
+def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
+  """float8_e4m3fn [R, K] = RNE(e2m1(q) * 2^(e_b - e_ref + 6)), 0x7F (NaN) in NaN blocks.
+
+  e_ref: int32 reference exponent broadcastable to scales' [R, K/32] (per row or per tensor).
+  """
+  r, half_k = codes.shape
+  nb = scales.shape[-1]
+  s = scales.astype(jnp.int32)  # [R, K/32]
+  shift = s - E8M0_BIAS - e_ref + FP8_HEADROOM  # [R, K/32], <= 6 for finite blocks
+  e2m1 = jax.lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(r, nb, 32).astype(jnp.float32)
+  # Exact product with a normal power of two. Clamping the shift at -126 (and float32 subnormal flushing) only
+  # touches values below 6 * 2^-126, which round to E4M3 zero either way (< 2^-10); the upper clamp only touches
+  # NaN blocks, overwritten below.
+  v = e2m1 * ieee.pow2(jnp.clip(shift, -126, FP8_HEADROOM))[..., None]  # [R, K/32, 32] float32
+  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
+  bits = jnp.where((s == E8M0_NAN)[..., None], jnp.uint8(E4M3_NAN_BITS), bits).reshape(r, 2 * half_k)
+  return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)  # [R, K]
+
+
+def mx_to_fp8(q: QTensor) -> Fp8Operand:
+  """Re-encodes a 2-D MXFP4 QTensor (K-major [R, K]) as E4M3 values with one power-of-two factor per row."""
+  _check_2d(q, "mx_to_fp8")
+  if q.spec.scale != "e8m0" or q.spec.block != 32 or q.outer is not None:
+    raise ValueError(f"mx_to_fp8 needs MXFP4 (E8M0 scales, blocks of 32, no outer factor): {q.fmt=}")
+  return fp8_operand_from_codes(q.codes, q.scales)
+
+
+def span_ok(q: QTensor) -> jax.Array:
+  """bool [R]: rows of an MXFP4 QTensor that encode exactly (e_row - e_b <= 14 for every finite block)."""
+  s = q.scales.astype(jnp.int32)
+  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s), axis=-1) - E8M0_BIAS
+  return row_exponent(q.scales) - lo <= MAX_EXACT_SPAN
+
+
+def tensor_exponent(scales: jax.Array) -> jax.Array:
+  """e_T: int32 scalar, the largest finite block exponent of the whole tensor (floored like `row_exponent`)."""
+  return jnp.max(row_exponent(scales.reshape(1, -1)))
+
+
+def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:
+  """MXFP4 re-encoded with ONE power-of-two factor for the whole tensor: (values [R, K] e4m3, factor ()).
+
+  The `fp8_operand_from_codes` encoding with e_row replaced by the tensor's largest block exponent e_T: exact
+  while every finite block has e_T - e_b <= 14 (`tensor_span_ok`). A scalar factor lets XLA fold the scaling
+  into the cuBLASLt FP8 GEMM (its a_scale / b_scale), so no pass over the output is needed. NaN blocks encode
+  as E4M3 NaN, so their rows / columns of the product are NaN as on the per-row path.
+  """
+  e_t = tensor_exponent(q.scales)
+  return _encode_e4m3(q.codes, q.scales, e_t), ieee.pow2(e_t - FP8_HEADROOM)
+
+
+def tensor_span_ok(q: QTensor) -> jax.Array:
+  """bool scalar: the whole tensor encodes exactly with one factor (e_T - e_b <= 14 for every finite block)."""
+  s = q.scales.astype(jnp.int32)
+  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s)) - E8M0_BIAS
+  return tensor_exponent(q.scales) - lo <= MAX_EXACT_SPAN

@@ -1,0 +1,23 @@
+"""What every GEMM backend shares: the K-major contraction and the outer factors applied to its result.
+
+A backend is a module with `supports(a, b) -> bool` and `gemm(a, b, *, out_dtype) -> Array` computing
+dequant(a) @ dequant(b).T for 2-D K-major QTensors a [M, K], b [N, K] (docs/ARCHITECTURE.md), with the numbers
+of `emulated`; `registry` maps names to them.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from fp4jax.numerics.qtensor import QTensor
+
+KMAJOR_DOT = (((1,), (1,)), ((), ()))  # a [M, K] . b [N, K] -> [M, N]
+
+
+def apply_outer(out: jax.Array, a: QTensor, b: QTensor) -> jax.Array:
+  """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column)."""
+  if a.outer is not None:
+    out = out * (a.outer if a.outer.ndim == 0 else a.outer[:, None])
+  if b.outer is not None:
+    out = out * (b.outer if b.outer.ndim == 0 else b.outer[None, :])
+  return out

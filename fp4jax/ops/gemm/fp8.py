@@ -1,0 +1,131 @@
+"""Hopper (sm90) FP4 GEMM: MXFP4 through one FP8 GEMM, NVFP4 through an exact bf16 GEMM.
+
+Hopper tensor cores have FP8 but no FP4. Two exact re-encodings make the FP4 product run on them:
+
+MXFP4 x MXFP4 -> FP8: each operand re-encoded as E4M3 values with power-of-two factors (`numerics.fp8`, which
+states when that is exact), then one `lax.dot_general` of two K-major float8_e4m3fn operands (XLA rewrites it
+to a cuBLASLt FP8 GEMM, "TN" layout); the row factors of a and b scale rows and columns of the result. Products
+of two E4M3 values are exact in float32, so with float32 accumulation the result equals the emulated product up
+to the order of the sums; cuBLASLt's FP8 fast accumulation (the default, see `fp8_gemm`) adds a little more.
+For a bf16/f16 output on GPU the GEMM writes bf16/f16 directly (cuBLASLt accumulates in float32 registers
+and rounds once); scaling that by the powers of two after is exact, so the numbers are those of rounding the
+float32 result, with half the output bytes.
+
+Fast path (`_gemm_mx_fp8`): applying row factors to the result is a pass over the output. When each whole
+tensor spans <= 2^14 in block exponents (`numerics.fp8.tensor_span_ok`, the usual case) the encoding with ONE
+factor per tensor is exact too, and written as XLA's scaled-FP8 pattern the factors fold into the cuBLASLt
+GEMM. A `lax.cond` picks that path or the per-row one at run time, so the result is exact on both.
+
+NVFP4 (and mixed pairs) -> bf16: e2m1 (<= 2 significant bits) times an E4M3 block scale (<= 4 significant bits)
+has at most 6 significant bits and a magnitude in [2^-10, 6 * 448], so q * s_b is exact in bf16 (8 significant
+bits, float32's exponent range). A bf16 x bf16 -> float32 dot_general does the GEMM (products exact in float32);
+the outer factors (per tensor or per row, float32) multiply the result. An MXFP4 operand in a mixed pair is
+dequantized to bf16 the same way (exact while its block exponents stay within [-125, 125]: bf16 normal range).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.numerics import fp8 as encoding
+from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.reference import decode_scales
+from fp4jax.ops.gemm import base
+from fp4jax.ops.gemm.base import KMAJOR_DOT
+from fp4jax.platform import compiles_for_gpu
+
+
+def _gemm_out_dtype(out_dtype) -> jnp.dtype:
+  """The dtype the FP8 GEMM itself writes: out_dtype if narrower than float32 on GPU (see module doc)."""
+  narrow = jnp.dtype(out_dtype).itemsize < 4 and compiles_for_gpu()
+  return jnp.dtype(out_dtype) if narrow else jnp.dtype(jnp.float32)
+
+
+def fp8_gemm(a8: encoding.Fp8Operand, b8: encoding.Fp8Operand, out_dtype=jnp.float32, *,
+             fast_accum: bool = True) -> jax.Array:
+  """a8 [M, K] times b8 [N, K]^T with the row factors applied: one FP8 GEMM.
+
+  fast_accum: True (default) runs the dot at Precision.DEFAULT, which XLA sends to cuBLASLt FP8 with fast
+    accumulation: Hopper's FP8 tensor-core accumulator keeps fewer bits than float32 between promotions.
+    Its error stays far below bf16 output rounding (docs/BENCHMARKS.md, the fp8 backend section).
+    False asks for Precision.HIGHEST (flax's FP8 backward does so to promote partial sums to float32);
+    `python -m bench dot` reports whether that still compiles to a cuBLASLt FP8 GEMM and its error.
+  """
+  if a8.values.shape[1] != b8.values.shape[1]:
+    raise ValueError(f"K differs: {a8.values.shape=} vs {b8.values.shape=}")
+  precision = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
+  acc = jax.lax.dot_general(a8.values, b8.values, KMAJOR_DOT, precision=precision,
+                            preferred_element_type=_gemm_out_dtype(out_dtype))  # [M, N]
+  out = acc.astype(jnp.float32) * a8.row_scale[:, None] * b8.row_scale[None, :]  # exact: powers of two
+  return out.astype(out_dtype)
+
+
+def _bf16_values(q: QTensor) -> jax.Array:
+  """e2m1(q) * block scale as bf16 [R, K] (exact, see module docstring); the outer factor is left out."""
+  r, k = q.kmajor_shape
+  b = q.spec.block
+  vals = q.as_float4().astype(jnp.float32).reshape(r, k // b, b)
+  scale = decode_scales(q.scales, q.spec)  # [R, K/b] float32
+  return (vals * scale[..., None]).reshape(r, k).astype(jnp.bfloat16)
+
+
+def fp8_gemm_tensor_scaled(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  """One FP8 GEMM with per-tensor factors, written in XLA's scaled-FP8 pattern (dequantize = convert * scalar
+  scale, then dot) so the GPU compiler emits a cuBLASLt FP8 GEMM with the scales fused in. Exact only when
+  `tensor_span_ok` holds for both operands (`_gemm_mx_fp8` checks)."""
+  av, sa = encoding.fp8_tensor_operand(a)
+  bv, sb = encoding.fp8_tensor_operand(b)
+  dt = jnp.bfloat16
+  a_dq = av.astype(dt) * sa.astype(dt)  # exact: a power of two times an E4M3 value, within bf16's range
+  b_dq = bv.astype(dt) * sb.astype(dt)
+  out = jax.lax.dot_general(a_dq, b_dq, KMAJOR_DOT, preferred_element_type=_gemm_out_dtype(out_dtype))
+  return out.astype(out_dtype)
+
+
+def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  """Per-tensor scaled FP8 GEMM (scales fused into cuBLASLt) when both operands span <= 2^14 overall, else the
+  per-row encoding with the factors applied to the result. Both branches give the exact product."""
+  return jax.lax.cond(encoding.tensor_span_ok(a) & encoding.tensor_span_ok(b),
+                      lambda: fp8_gemm_tensor_scaled(a, b, out_dtype),
+                      lambda: fp8_gemm(encoding.mx_to_fp8(a), encoding.mx_to_fp8(b), out_dtype))
+
+
+def _gemm_bf16(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  acc = jax.lax.dot_general(_bf16_values(a), _bf16_values(b), KMAJOR_DOT,
+                            preferred_element_type=jnp.float32)  # [M, N]
+  return base.apply_outer(acc, a, b).astype(out_dtype)
+
+
+# (a's scale kind, b's scale kind) -> GEMM.
+_GEMMS: dict[tuple[str, str], Callable[[QTensor, QTensor, jnp.dtype], jax.Array]] = {
+    ("e8m0", "e8m0"): _gemm_mx_fp8,
+    ("e4m3", "e4m3"): _gemm_bf16,
+    ("e8m0", "e4m3"): _gemm_bf16,
+    ("e4m3", "e8m0"): _gemm_bf16,
+}
+
+
+# (a's scale kind, b's scale kind) -> GEMM.
+_GEMMS: dict[tuple[str, str], Callable[[QTensor, QTensor, jnp.dtype], jax.Array]] = {
+    ("e8m0", "e8m0"): _gemm_mx_fp8,
+    ("e4m3", "e4m3"): _gemm_bf16,
+    ("e8m0", "e4m3"): _gemm_bf16,
+    ("e4m3", "e8m0"): _gemm_bf16,
+}
+
+
+def supports(a: QTensor, b: QTensor) -> bool:
+  """2-D operands with one K, any pair of MXFP4 / NVFP4 formats (MX x MX on FP8, the rest on bf16)."""
+  if len(a.shape) != 2 or len(b.shape) != 2 or a.kmajor_shape[1] != b.kmajor_shape[1]:
+    return False
+  return (a.spec.scale, b.spec.scale) in _GEMMS
+
+
+def gemm(a: QTensor, b: QTensor, *, out_dtype=jnp.float32) -> jax.Array:
+  """dequant(a) @ dequant(b).T for K-major a [M, K], b [N, K] on Hopper FP8 / bf16 tensor cores."""
+  if not supports(a, b):
+    raise ValueError(f"fp8 gemm does not support {a.fmt=} {a.kmajor_shape=} x {b.fmt=} {b.kmajor_shape=}")
+  return _GEMMS[(a.spec.scale, b.spec.scale)](a, b, out_dtype)

@@ -1,0 +1,61 @@
+"""The FP4 GEMM backends by name, and the choice among them.
+
+Every backend computes `gemm(a, b, *, out_dtype) = dequant(a) @ dequant(b).T` for K-major QTensors a [M, K],
+b [N, K] with the numbers of "emulated" (`base`). "auto" picks the fastest backend the device generation and
+the operands allow; a name picks that backend, and fails clearly where it cannot run the operands.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+
+from fp4jax.numerics.qtensor import QTensor
+from fp4jax.ops.gemm import emulated, fp8, native
+
+BACKENDS: dict[str, ModuleType] = {"emulated": emulated, "fp8": fp8, "native": native}
+CHOICES = ("auto", *BACKENDS)
+
+# Device generation -> backends to try, fastest first ("emulated" supports every operand pair).
+_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "sm100": ("native", "fp8", "emulated"),
+    "sm90": ("fp8", "emulated"),
+    "other": ("emulated",),
+}
+
+
+def device_generation(device: jax.Device | None = None) -> str:
+  """"sm100" (Blackwell and newer), "sm90" (Hopper) or "other" (CPU, TPU, older GPUs) for `device` (default:
+  the first device of JAX's default backend)."""
+  device = device or jax.devices()[0]
+  cc = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or not cc:
+    return "other"
+  major = int(str(cc).split(".")[0])
+  return "sm100" if major >= 10 else "sm90" if major == 9 else "other"
+
+
+def check_choice(backend: str) -> None:
+  """Raises a ValueError naming the valid choices when `backend` is not one."""
+  if backend not in CHOICES:
+    raise ValueError(f"unknown GEMM backend {backend!r}; valid: {list(CHOICES)}")
+
+
+def select(a: QTensor, b: QTensor, backend: str = "auto") -> str:
+  """The backend that runs (a, b): the fastest supporting one for "auto", else `backend` if it supports them."""
+  check_choice(backend)
+  if backend == "auto":
+    for name in _PREFERENCE[device_generation()]:
+      if BACKENDS[name].supports(a, b):
+        return name
+    raise ValueError(f"no GEMM backend supports {a.fmt=} {a.kmajor_shape=} x {b.fmt=} {b.kmajor_shape=}")
+  if not BACKENDS[backend].supports(a, b):
+    raise ValueError(f"GEMM backend {backend!r} does not support {a.fmt=} {a.kmajor_shape=} x {b.fmt=} "
+                     f"{b.kmajor_shape=}")
+  return backend
+
+
+def gemm(a: QTensor, b: QTensor, *, out_dtype, backend: str = "auto") -> jax.Array:
+  """dequant(a) @ dequant(b).T on `backend` ("auto": the fastest that supports a and b here)."""
+  return BACKENDS[select(a, b, backend)].gemm(a, b, out_dtype=out_dtype)

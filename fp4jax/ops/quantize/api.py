@@ -1,0 +1,100 @@
+"""Quantize a GEMM operand, one view or both views of an array, with an explicit implementation choice.
+
+Implementations (`IMPLEMENTATIONS`):
+  "pallas"     the fused Pallas kernels, compiled for the GPU (`ops.quantize.pallas`);
+  "interpret"  the same kernels in Pallas interpret mode (any backend: the CPU tests);
+  "xla"        the reference quantizers compiled by XLA (`ops.quantize.xla`): every valid spec, any shape.
+"auto" is "pallas" when compiling for a GPU, else "xla". Each choice is an ordered chain ending in "xla": a kernel
+that does not cover a case raises NotImplementedError inside, and the next implementation takes over, so
+every choice gives the reference's bits and the caller never sees the gap. Invalid input (a spec that cannot
+be quantized, a missing key) raises ValueError from whichever implementation meets it.
+
+Both views of one array (`quantize_views`), e.g. X for fprop (along K, the row view) and wgrad (along M, the
+column view), come from one pass where a dual-view kernel covers both recipes; otherwise each view goes
+through `quantize_operand` on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+
+from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_choice
+from fp4jax.ops.quantize import pallas, xla
+from fp4jax.platform import compiles_for_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """views(x, row, col, row_keys, col_keys) -> (row view, column view), or None where it has no two-view
+  pass; operand(x, spec, axis, keys) -> QTensor. Either raises NotImplementedError for an uncovered case."""
+
+  views: Callable[..., tuple[QTensor, QTensor]] | None
+  operand: Callable[..., QTensor]
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "pallas": Implementation(functools.partial(pallas.views, interpret=False),
+                             functools.partial(pallas.operand, interpret=False)),
+    "interpret": Implementation(functools.partial(pallas.views, interpret=True),
+                                functools.partial(pallas.operand, interpret=True)),
+    "xla": Implementation(None, xla.operand),
+}
+CHOICES = ("auto", *IMPLEMENTATIONS)
+_CHAINS = {"pallas": ("pallas", "xla"), "interpret": ("interpret", "xla"), "xla": ("xla",)}
+
+
+def resolve(implementation: str) -> str:
+  """The concrete implementation of a choice: "auto" is "pallas" when compiling for a GPU, else "xla"."""
+  check_choice("quantizer implementation", implementation, CHOICES)
+  if implementation == "auto":
+    return "pallas" if compiles_for_gpu() else "xla"
+  return implementation
+
+
+def _chain(implementation: str) -> tuple[Implementation, ...]:
+  return tuple(IMPLEMENTATIONS[name] for name in _CHAINS[resolve(implementation)])
+
+
+def _check(spec: OperandSpec) -> None:
+  if not isinstance(spec, OperandSpec) or not spec.quantized:
+    raise ValueError(f"quantize needs an OperandSpec with an FP4 format, got {spec!r}")
+
+
+def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys = OperandKeys(), *,
+                     implementation: str = "auto") -> QTensor:
+  """`x` quantized along `axis` per `spec` (after its transform), K-major (`axis` moved last).
+
+  keys: the rounding key (SR, MS-EDEN) and the random-Hadamard key, where the spec draws random bits.
+  The kernels cover 2-D inputs; other ranks go to "xla".
+  """
+  _check(spec)
+  for impl in _chain(implementation):
+    try:
+      return impl.operand(x, spec, axis, keys)
+    except NotImplementedError:
+      continue
+  raise AssertionError("the chain ends in 'xla', which covers every spec")
+
+
+def quantize_views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
+                   col_keys: OperandKeys = OperandKeys(), *,
+                   implementation: str = "auto") -> tuple[QTensor, QTensor]:
+  """(x [R, C] along axis 1 per `row`: K-major [R, C]; along axis 0 per `col`: K-major [C, R]), from one pass
+  over x where a kernel covers both recipes, else one `quantize_operand` each. Passing one key object as both
+  views' rounding key draws each element's random bits once (same recipe, same numbers)."""
+  _check(row)
+  _check(col)
+  for impl in _chain(implementation):
+    if impl.views is None:
+      continue
+    try:
+      return impl.views(x, row, col, row_keys, col_keys)
+    except NotImplementedError:
+      continue
+  return (quantize_operand(x, row, 1, row_keys, implementation=implementation),
+          quantize_operand(x, col, 0, col_keys, implementation=implementation))

@@ -1,0 +1,125 @@
+"""The amaxes a global-scale format needs before its block scales: XLA reductions over bf16 bit patterns, and
+the amax of a Hadamard-rotated view as a Pallas pass.
+
+NVFP4's S_enc and MS-EDEN's s_dec need the amax of the whole tensor (or row tile) before any block scale: a
+synchronisation point, so it is a separate pass. `bf16_amax` / `tile_amaxes` are one integer max of x's bf16
+|bit patterns| (NaN when anything is NaN or Inf, as `reference._amax`). A rotated view needs the amax of the
+*rotated* tensor: `rotated_amax` runs the quantizers' butterfly (`common.butterfly`, `hadamard.fwht`'s order)
+on each tile and writes one max of |bits| per program, reduced by XLA, so it agrees with the reference bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax.numerics import hadamard
+from fp4jax.ops.quantize.pallas import common
+
+AMAX_KERNEL_NAME = "fp4jax_rotated_amax"
+TILE_ROWS = (128, 64, 32, 16)  # rows of the rotated axis per program, largest first
+TILE_COLS = (64, 32, 16)
+
+_BF16_ABS = 0x7FFF
+_BF16_INF = 0x7F80
+
+
+def tile_bits(x_ref, axis: int) -> jax.Array:
+  """float32 bits of a tile of x with `axis` (0 or 1) turned down the rows: [rows, cols] int32."""
+  v = x_ref[...].astype(jnp.float32)
+  return common.as_i32(v.T if axis == 1 else v)
+
+
+@dataclasses.dataclass(frozen=True)
+class AmaxConfig:
+  axis: int
+  transform: str | None
+  rows: int
+  cols: int
+  num_warps: int = 4
+  interpret: bool = False
+
+
+def _amax_kernel(w_ref, x_ref, o_ref, *, cfg: AmaxConfig):
+  """max |rotated x| float32 bits of one tile (NaN/Inf patterns above all finite ones), in all 16 slots."""
+  bits = tile_bits(x_ref, cfg.axis)
+  if cfg.transform is not None:
+    bits = common.butterfly([bits], hadamard.KINDS[cfg.transform].n, common.read_words(w_ref, 0))[0]
+  top = jnp.max(jnp.max(bits & common.F32_ABS, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+  o_ref[...] = jnp.broadcast_to(top, (1, 16))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array:
+  length, other = x.shape if cfg.axis == 0 else x.shape[::-1]
+  grid = (length // cfg.rows, other // cfg.cols)
+  block = (cfg.rows, cfg.cols) if cfg.axis == 0 else (cfg.cols, cfg.rows)
+  tops = pl.pallas_call(
+      functools.partial(_amax_kernel, cfg=cfg),
+      out_shape=jax.ShapeDtypeStruct((grid[0], grid[1] * 16), jnp.int32),
+      grid=grid,
+      in_specs=[pl.BlockSpec((common.SIGN_WORDS,), lambda i, j: (0,)),
+                pl.BlockSpec(block, (lambda i, j: (i, j)) if cfg.axis == 0 else (lambda i, j: (j, i)))],
+      out_specs=pl.BlockSpec((1, 16), lambda i, j: (i, j)),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      interpret=cfg.interpret,
+      name=AMAX_KERNEL_NAME,
+  )(words, x)
+  top = jnp.max(tops)
+  return jnp.where(top >= common.F32_INF, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(top, jnp.float32))
+
+
+def _fit(size: int, options: tuple[int, ...], at_least: int = 1) -> int | None:
+  return next((b for b in options if size % b == 0 and b >= at_least), None)
+
+
+def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = None, *, axis: int = 0,
+                 interpret: bool = False) -> jax.Array:
+  """`reference._amax(hadamard(x, transform, axis=axis, key=key))` (of x itself for transform None) from one
+  Pallas pass over a 2-D x: float32, NaN if anything is non-finite. Both dims must be multiples of 16."""
+  if x.ndim != 2:
+    raise ValueError(f"rotated_amax takes a 2-D x, got {x.shape=}")
+  n = hadamard.KINDS[transform].n if transform is not None else 1
+  length, other = x.shape if axis == 0 else x.shape[::-1]
+  rows, cols = _fit(length, TILE_ROWS, n), _fit(other, TILE_COLS)
+  if rows is None or cols is None:
+    raise ValueError(f"rotated_amax needs dims that are multiples of 16 (and of the transform size along "
+                     f"{axis=}): {x.shape=}, {transform=}")
+  return _amax_call(x, common.sign_words(transform, key), AmaxConfig(axis, transform, rows, cols, interpret=interpret))
+
+
+def _bf16_abs_bits(x: jax.Array) -> jax.Array:
+  """int32 bf16 bit patterns of |x|: monotone in |x|, NaN/Inf patterns (>= 0x7F80) above every finite one."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32) & _BF16_ABS
+
+
+def _bits_to_amax(m: jax.Array) -> jax.Array:
+  """float32 amax from a max of `_bf16_abs_bits`, NaN when the reduced elements hold a NaN or Inf."""
+  val = jax.lax.bitcast_convert_type(m << 16, jnp.float32)
+  return jnp.where(m >= _BF16_INF, jnp.nan, val)
+
+
+def bf16_amax(x: jax.Array) -> jax.Array:
+  """max |x| of a bf16 array as float32 (NaN if anything is non-finite): `reference._amax`, one reduction."""
+  return _bits_to_amax(jnp.max(_bf16_abs_bits(x)))
+
+
+def tile_amaxes(x: jax.Array, tile_rows: int) -> tuple[jax.Array, jax.Array]:
+  """Per-row / per-column amax of x [M, K] under "nvfp4_tile" ([M], [K], each tile's value repeated).
+
+  One reduction of x to a [M/T, K/T] grid of T x T maxima (T = tile_rows, the last tile may be shorter), then
+  its rows give the row view's tiles (T rows of x by all of K) and its columns the column view's.
+  """
+  m, k = x.shape
+  tm, tk = -(-m // tile_rows), -(-k // tile_rows)
+  bits = jnp.pad(_bf16_abs_bits(x), ((0, tm * tile_rows - m), (0, tk * tile_rows - k)))
+  grid = jnp.max(bits.reshape(tm, tile_rows, tk, tile_rows), axis=(1, 3))  # [M/T, K/T]
+  row = jnp.repeat(_bits_to_amax(jnp.max(grid, axis=1)), tile_rows)[:m]
+  col = jnp.repeat(_bits_to_amax(jnp.max(grid, axis=0)), tile_rows)[:k]
+  return row, col

@@ -1,0 +1,264 @@
+"""What the Pallas quantizer kernels share: float32 bit tricks for E2M1, the bf16-pair tile layout of the
+dual-view kernels, counter-based random bits, fixed-order sums and the Hadamard butterfly.
+
+Every helper is plain jnp on int32 / float32 arrays, so it runs inside a kernel (Triton lowering on the GPU,
+interpret mode on CPU) and reproduces the reference's float32 operations in the reference's order:
+  * E2M1 codes from the float32 bits of |v| (`encode_rne`, `encode_sr`), equal to
+    `numerics.codecs.e2m1_encode_rne` / `e2m1_encode_sr` (no float4 casts, no division);
+  * block maxima as maxima of |x|'s float32 bit patterns (monotone for non-negative floats; NaN/Inf patterns
+    sort above every finite one, which flags non-finite blocks without relying on float max NaN semantics);
+  * `halving_sum`: `reference._tree_sum`'s order; `butterfly`: `hadamard.fwht`'s;
+  * Triton tensors cannot be sliced, so pairs of rows are picked by exact integer sums (`pick`).
+
+The dual-view layout (`dual_view_call`): x [M, K] read as uint32 words, each two bf16 neighbours along K (a
+free bitcast of x), split by row parity; the low and high halves of a word are the two nibbles of a row-view
+byte, the same half of two consecutive rows the two nibbles of a column-view byte, so packing is elementwise
+and only the column view's bytes and scales are transposed in registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax.numerics import hadamard, prng
+from fp4jax.ops.quantize.pallas.tiling import QuantTile
+
+F32_ABS = 0x7FFFFFFF
+F32_INF = 0x7F800000
+SIGN_WORDS = 4  # uint32 words of Hadamard -1 signs a kernel reads: sizes up to 128 (rht128)
+
+
+def as_f32(b: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def as_i32(v: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(v, jnp.int32)
+
+
+def pick(a: jax.Array, which: int) -> jax.Array:
+  """a[:, which, :] of an int32 [A, 2, B] as an exact integer sum (Triton tensors cannot be sliced)."""
+  sel = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1) == which
+  return jnp.sum(jnp.where(sel, a, 0), axis=1)
+
+
+def halving_sum(a: jax.Array, blocks: tuple[int, ...], axis: int) -> jax.Array:
+  """`reference._tree_sum` of float32 `a` (any shape holding `blocks`' elements) along `axis` of it viewed as
+  `blocks` (a power-of-two length): a[:h] + a[h:2h], h halving to 1, pairs picked by exact integer sums. The
+  result keeps `axis` with length 1."""
+  lead, trailing = math.prod(blocks[:axis]), math.prod(blocks[axis + 1:])
+  b = as_i32(a)
+  n = blocks[axis]
+  while n > 1:
+    n //= 2
+    pairs = b.reshape(lead, 2, n * trailing)
+    b = as_i32(as_f32(pick(pairs, 0)) + as_f32(pick(pairs, 1)))
+  return as_f32(b).reshape(blocks[:axis] + (1,) + blocks[axis + 1:])
+
+
+def magnitude_and_sign(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(|x| float32 bits, the E2M1 sign bit 8 or 0) of float32 bits."""
+  return bits & F32_ABS, (bits >> 28) & 8
+
+
+def encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
+  """int32 E2M1 magnitude codes of float32 magnitudes in [0, 8), round-to-nearest-even, saturating at 6.
+
+  [1, 8): E2M1 is a float with one mantissa bit, so RNE on the float32 bits (add half an ulp of the kept bit,
+  plus one when that bit is odd) leaves (biased exponent, mantissa bit) = code + 252 in bits 22 and up.
+  [0, 1): the grid is 0, 0.5, 1: RNE(2 * mag) by the float32 add of 2^23 (one ulp = 1 there).
+  """
+  del r24
+  b = jax.lax.bitcast_convert_type(mag, jnp.int32)
+  big = jnp.minimum((b + ((b >> 22) & 1) + (0x1FFFFF - (252 << 22))) >> 22, 7)
+  small = jax.lax.bitcast_convert_type(mag * 2.0 + 8388608.0, jnp.int32) - 0x4B000000
+  return jnp.where(mag < 1.0, small, big)
+
+
+def encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
+  """int32 E2M1 magnitude codes by stochastic rounding: up from lo iff u < (mag - lo) / (hi - lo).
+
+  u = r24 * 2^-24 (`prng.uniform_from_bits`). On [1, 8) the fraction is the 22 mantissa bits below the kept
+  one, exactly trunc * 2^-22, so the test is the integer compare r24 < 4 * trunc; on [0, 1) it is done in
+  float32 on 2 * mag, exact as well. Magnitudes of 6 and above give 7 (the reference clips to 6 first).
+  """
+  b = jax.lax.bitcast_convert_type(mag, jnp.int32)
+  big = (b >> 22) - 252 + (r24 < ((b & 0x3FFFFF) << 2)).astype(jnp.int32)
+  y = mag * 2.0
+  lo = (y >= 1.0).astype(jnp.float32)
+  u = r24.astype(jnp.float32) * jnp.float32(2.0**-24)
+  small = lo.astype(jnp.int32) + (u < y - lo).astype(jnp.int32)
+  return jnp.where(mag < 1.0, small, jnp.minimum(big, 7))
+
+
+ENCODERS = {"rne": encode_rne, "sr": encode_sr}
+
+
+def e2m1_magnitude(code: jax.Array) -> jax.Array:
+  """float32 magnitude of int32 E2M1 magnitude codes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6) from exponent bits."""
+  normal = as_f32((((code >> 1) + 126) << 23) | ((code & 1) << 22))  # code >= 2: (1 + m/2) * 2^(e - 1)
+  return jnp.where(code >= 2, normal, code.astype(jnp.float32) * 0.5)
+
+
+def tile_elements(x_ref) -> tuple[dict, dict, dict]:
+  """(float32 bits, |bits|, sign) of a tile of bf16 pairs [h, 2, w] (uint32 words, the even column in the low
+  half), each a dict of [h, w] arrays keyed (p, q): x[2i + p, 2j + q], p = row parity (which load), q = column
+  parity (which half)."""
+  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
+  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
+  split = {pq: magnitude_and_sign(b) for pq, b in bits.items()}
+  return bits, {pq: ms[0] for pq, ms in split.items()}, {pq: ms[1] for pq, ms in split.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PairIndex:
+  """Positions in x of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
+
+  keys: tuple
+  h: int
+  w: int
+  k: int
+
+  def __call__(self, pq) -> tuple[jax.Array, jax.Array]:
+    p, q = pq
+    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + \
+        (pl.program_id(0) * 2 * self.h + p).astype(jnp.uint32)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + \
+        (pl.program_id(1) * 2 * self.w + q).astype(jnp.uint32)
+    return rows, cols
+
+
+def random_bits(seed_ref, which: int, index, rounding: str = "sr") -> dict:
+  """int32 top 24 hash bits (`prng.hash_bits(...) >> 8`) of each element set of `index` (its position in x),
+  with seed pair `which` (0: row view, 1: column view); None per set for a view rounding other than "sr"
+  (nothing drawn)."""
+  if rounding != "sr":
+    return dict.fromkeys(index.keys)
+  out = {}
+  for key_ in index.keys:
+    rows, cols = index(key_)
+    r = prng.hash_bits(seed_ref[2 * which], seed_ref[2 * which + 1], rows * jnp.uint32(index.k) + cols) >> 8
+    out[key_] = jax.lax.bitcast_convert_type(r, jnp.int32)
+  return out
+
+
+def pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
+              block_scale: Callable, codes: Callable):
+  """Packed codes [h, w] and scale bytes of one view of two element sets sharing their blocks (any format).
+
+  abs_*: int32 |x| float32 bits [h, w] of the elements for the low and high nibbles (neighbours along the
+  view's quantized axis, so in the same block); `blocks` reshapes [h, w] so that `axis` runs along a block.
+  block_scale(amax bits) -> (finite, per-block multiplier, scale bytes); codes(abs bits, sign, r24,
+  multiplier) -> int32 codes shaped `blocks`. Non-finite blocks get zero codes.
+  """
+  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
+  finite, mul, scale = block_scale(amax)
+  packed = codes(abs_lo, sign_lo, r24_lo, mul) | (codes(abs_hi, sign_hi, r24_hi, mul) << 4)
+  packed = jnp.where(finite, packed, 0)
+  return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
+
+
+def view_outputs(m: int, k: int, t: QuantTile, block: int) -> tuple[tuple, tuple]:
+  """(out_shape, out_specs) of a dual-view kernel on x [M, K] with `block` elements per scale: row codes
+  [M/2, 2, K/2], row scales [M/2, 2, K/block], column codes [K/2, 2, M/2], column scales [K/2, 2, M/block],
+  each a free reshape of its QTensor array, tiled per program as the x tile [bm/2, 2, bk/2] dictates."""
+  h, w, per = t.block_m // 2, t.block_k // 2, block // 2
+  outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
+          ((m // 2, 2, k // block), (h, 2, w // per), lambda i, j: (i, 0, j)),
+          ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
+          ((k // 2, 2, m // block), (w, 2, h // per), lambda i, j: (j, 0, i))]
+  return (tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
+          tuple(pl.BlockSpec(b, index) for _, b, index in outs))
+
+
+def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int):
+  """`view_outputs`' four arrays reshaped to the QTensor layouts (free)."""
+  return rc.reshape(m, k // 2), rs.reshape(m, k // block), cc.reshape(k, m // 2), cs.reshape(k, m // block)
+
+
+def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
+                   name: str):
+  """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
+
+  The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x as uint32 words of two bf16
+  neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then `view_outputs`' four
+  outputs; returns the row codes, row scales, column codes and column scales in the QTensor layouts.
+  """
+  m, k = x.shape
+  xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
+  out_shape, out_specs = view_outputs(m, k, t, block)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(m // t.block_m, k // t.block_k),
+      in_specs=[spec for _, spec in params] + [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2),
+                                                            lambda i, j: (i, 0, j))],
+      out_specs=out_specs,
+      compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*[a for a, _ in params], xw)
+  return view_arrays(*outs, m, k, block)
+
+
+def sign_words(transform: str | None, key: jax.Array | None, words: int = SIGN_WORDS) -> jax.Array:
+  """uint32 [words] of `transform`'s -1 signs (`hadamard.negative_words`; zeros for no transform): what
+  kernels read."""
+  if transform is None:
+    return jnp.zeros((words,), jnp.uint32)
+  return hadamard.negative_words(transform, key, words)
+
+
+def read_words(ref, first: int, count: int = SIGN_WORDS) -> list:
+  """`count` sign words at ref[first:], as int32 scalars."""
+  return [jax.lax.bitcast_convert_type(ref[first + i], jnp.int32) for i in range(count)]
+
+
+def butterfly(planes: list[jax.Array], n: int, words: list) -> list[jax.Array]:
+  """`hadamard.hadamard(., kind, axis=0)` (size n, signs in `words`) on rows held as interleaved planes.
+
+  planes[p] holds the float32 bits [h, w] of rows p, p + P, p + 2P, ... (P = len(planes): 1 for a tile whose
+  rows run along the rotated axis, 2 for the dual-view kernels' row parities); n a multiple of P. `words`:
+  int32 scalars, sign r in bit r % 32 of word r // 32. The same float32 operations in `hadamard.fwht`'s order:
+  signs (bit-31 flips), butterfly stages at row distance 1, 2, ..., n/2 (between planes while the distance is
+  below P, then within each plane, pairs picked by exact integer sums), then the 1/sqrt(n) scale. Returns the
+  transformed planes as float32 bits.
+  """
+  count = len(planes)
+  h, w = planes[0].shape
+  first_row = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * count % n  # plane 0's row in its Hadamard block
+  signed = []
+  for p, y in enumerate(planes):
+    r = first_row + p if p else first_row  # n is a multiple of count: no wrap-around
+    word, bit = words[0], r
+    if n > 32:
+      for i in range(1, n // 32):
+        word = jnp.where(r >= 32 * i, words[i], word)
+      bit = r & 31
+    signed.append(y ^ (((word >> bit) & 1) << 31))
+  planes, d = signed, 1
+  while d < count:  # stages between planes
+    planes = list(planes)
+    for p in range(count):
+      if p & d == 0:
+        a, b = as_f32(planes[p]), as_f32(planes[p + d])
+        planes[p], planes[p + d] = as_i32(a + b), as_i32(a - b)
+    d *= 2
+  out = []
+  for y in planes:
+    e = d // count  # the distance in rows of this plane
+    while e * count < n:
+      pairs = y.reshape(h // (2 * e), 2, e * w)  # row pairs (i, i + e) of each run of 2e rows
+      lo, hi = as_f32(pick(pairs, 0)), as_f32(pick(pairs, 1))
+      first = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 1) == 0
+      y = jnp.where(first, as_i32(lo + hi)[:, None, :], as_i32(lo - hi)[:, None, :]).reshape(h, w)
+      e *= 2
+    out.append(as_i32(as_f32(y) * jnp.float32(1 / math.sqrt(n))))
+  return out

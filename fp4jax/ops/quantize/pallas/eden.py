@@ -1,0 +1,215 @@
+"""Fused MS-EDEN quantizer (Quartet II's backward, route "quartet2"): rotation, codes and corrected scales in
+one Pallas pass per view, bit for bit `reference.quantize(hadamard(x, transform, axis=axis, key=transform_key),
+"nvfp4", axis=axis, rounding="eden", key=key)`.
+
+Two launches per view, with the one global dependency between them explicit:
+  1. `amax.rotated_amax`: the amax of the rotated tensor (s_dec needs it before any block scale). A Pallas
+     pass that runs the same butterfly as the quantizer and writes one max of |y| bits per program (NaN/Inf bit
+     patterns sort above every finite one, so a non-finite tensor gives a NaN amax, as `reference._amax`);
+     XLA reduces the per-program maxima and derives s_dec with the reference's own `eden_decode_scale`.
+  2. the quantizer: one program per group of 128 along the quantized axis times `block_c` positions of the
+     other axis. The tile is turned so that the quantized axis runs down its rows (the row view transposes its
+     [block_c, 128] tile in registers, so no XLA transpose of x), then, in `reference`'s order:
+       signs, the Hadamard butterfly along the rows and the 1/sqrt(n) scale (`common.butterfly`);
+       per 16-block: amax_b, s_b = e4m3_RN(min((amax_b * fp32(1/val_max)) / s_dec, 448)) (1 where 0);
+       ys = y / (s_b * s_dec) per element; codes = E2M1_RNE(ys);
+       per 128-group: num = tree(ys * ys), den = tree(ys * q) (`common.halving_sum`: the reference's
+       `_tree_sum` order over the rows), c = num / den (1 when den = 0), t = min(s_b * c, 448);
+       scale = e4m3_SR(t) with one draw per block from stream `STREAM_SCALE_SR`, counter = the block's flat
+       index in the K-major scales array.
+Every division is correctly rounded and every product feeding a sum rounded on its own (`exact`: PTX
+div.rn.f32 / mul.rn.f32 on the GPU, `ieee.div` / a barrier in interpret mode); the rest is float32 adds,
+multiplies, mins and integer/bit arithmetic whose results no contraction can change. A group (and every block
+in it) holding a NaN or Inf, or a non-finite s_dec, gets zero codes and NaN scales (0x7F), as the reference.
+
+Input: a 2-D bf16 or float32 x (float32 for the requantized X^ and W^ of quartet2, dequantized by XLA first),
+quantized along `axis` in groups of 128 (that length a multiple of 128), the other axis a multiple of 16.
+Backend: Pallas through the Triton lowering (`mxfp4` says why not Mosaic GPU), interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax.numerics import hadamard, prng, reference
+from fp4jax.numerics.codecs import e4m3_rn_bytes, e4m3_sr_bytes
+from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
+from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.spec import EDEN_GROUP, OperandKeys, OperandSpec
+from fp4jax.ops.quantize.pallas import amax as amax_lib
+from fp4jax.ops.quantize.pallas import exact
+from fp4jax.ops.quantize.pallas.common import (F32_ABS, F32_INF, as_f32, as_i32, butterfly, e2m1_magnitude,
+                                               encode_rne, halving_sum, magnitude_and_sign, pick, read_words,
+                                               sign_words)
+
+KERNEL_NAME = "fp4jax_eden_quantize"
+GROUP = EDEN_GROUP  # 128 elements along the quantized axis: one correction factor, one program
+BLOCK = 16
+TRANSFORMS = ("h16", "h32", "rht16", "rht32", "rht128")
+DTYPES = (jnp.bfloat16, jnp.float32)
+# Positions of the other axis per program, largest first (16 columns at 4 warps, the default, was the fastest
+# measured: docs/BENCHMARKS.md).
+BLOCK_C = (64, 32, 16)
+
+_E4M3_NAN = 0x7F
+# Parameter words handed to every program: [scale-SR seed k0, k1, sign words 0..3, s_dec bits, unused].
+_N_PARAMS = 8
+_WORDS_SLOT, _S_DEC_SLOT = 2, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class EdenConfig:
+  """Static options of one launch (hashable: crosses jit as one object).
+
+  axis: the quantized axis of x (0: the column view, written K-major [C, R]; 1: the row view).
+  block_c: positions of the non-quantized axis per program; num_warps: warps per program.
+  targets: also return t, the corrected scale before its SR (float32, the scales' layout): for tests.
+  """
+
+  axis: int = 0
+  transform: str | None = "rht128"
+  block_c: int = 16
+  num_warps: int = 4
+  targets: bool = False
+  interpret: bool = False
+
+
+def check(x: jax.Array, spec: OperandSpec, axis: int) -> None:
+  """Raises NotImplementedError saying why, when `operand` does not cover this call: fmt "nvfp4", rounding
+  "eden", 1-D blocks, a transform of `TRANSFORMS` or none, a 2-D bf16 / float32 x whose `axis` is a multiple
+  of 128 and other axis of 16."""
+  why = None
+  if (spec.fmt, spec.rounding, spec.tile_2d) != ("nvfp4", "eden", False):
+    why = f"{spec}"
+  elif spec.transform not in (None, *TRANSFORMS):
+    why = f"transform {spec.transform!r}"
+  elif x.ndim != 2 or jnp.dtype(x.dtype) not in DTYPES or axis not in (0, 1, -1, -2):
+    why = f"x {x.dtype} {x.shape}, {axis=}: a 2-D bf16 or float32 array"
+  elif x.shape[axis] % GROUP or x.shape[1 - axis % 2] % BLOCK_C[-1]:
+    why = f"x {x.shape} along {axis=}: the quantized axis a multiple of {GROUP}, the other of {BLOCK_C[-1]}"
+  if why is not None:
+    raise NotImplementedError(f"MS-EDEN kernel: {why}")
+
+
+def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, scales_per_row: int):
+  """One [128 along the quantized axis, block_c] tile -> codes [block_c, 64], scale bytes [block_c, 8] (and t)."""
+  div = functools.partial(exact.div_rn, interpret=cfg.interpret)
+  bits = amax_lib.tile_bits(x_ref, cfg.axis)  # [L, C]
+  if cfg.transform is not None:
+    bits = butterfly([bits], hadamard.KINDS[cfg.transform].n, read_words(p_ref, _WORDS_SLOT))[0]
+  rows, cols = bits.shape
+  nb = rows // BLOCK
+  s_dec = jax.lax.bitcast_convert_type(p_ref[_S_DEC_SLOT], jnp.float32)
+  mag, _ = magnitude_and_sign(bits)
+  amax = jnp.max(mag.reshape(nb, BLOCK, cols), axis=1)  # [nb, C] |y| bits
+  bad = (jnp.max(amax, axis=0, keepdims=True) >= F32_INF) | ((as_i32(s_dec) & F32_ABS) >= F32_INF)  # [1, C]
+  amax_b = as_f32(jnp.where(bad, 0, amax))
+  _, s_b = e4m3_rn_bytes(jnp.minimum(div(amax_b * jnp.float32(1 / reference.EDEN_VAL_MAX), s_dec), E4M3_MAX))
+  s_b = jnp.where(s_b == 0, 1.0, s_b)  # [nb, C]
+  d_b = jnp.broadcast_to((s_b * s_dec)[:, None, :], (nb, BLOCK, cols))
+  ys = div(as_f32(bits).reshape(nb, BLOCK, cols), d_b).reshape(rows, cols)
+  ymag, sign = magnitude_and_sign(as_i32(ys))
+  ymag = as_f32(ymag)
+  code = encode_rne(jnp.minimum(ymag, E2M1_MAX), None)  # saturating, as e2m1_encode_rne of the unclamped ys
+  # |ys|^2 and |ys| * |q| equal ys * ys and ys * q: both products are >= +0 (q carries ys's sign).
+  group = (1, rows, cols)  # the tree runs down the rows (the group's elements in the reference's order)
+  num = halving_sum(exact.mul_rn(ymag, ymag, interpret=cfg.interpret), group, 1).reshape(1, cols)
+  den = halving_sum(exact.mul_rn(ymag, e2m1_magnitude(code), interpret=cfg.interpret), group, 1).reshape(1, cols)
+  c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
+  t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, E4M3_MAX))  # [nb, C]
+  k0, k1 = p_ref[0], p_ref[1]
+  col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (pl.program_id(1) * cols).astype(jnp.uint32)
+  blk = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 0) + (pl.program_id(0) * nb).astype(jnp.uint32)
+  u24 = prng.hash_bits(k0, k1, col * jnp.uint32(scales_per_row) + blk) >> 8
+  u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
+  scale = jnp.where(bad, _E4M3_NAN, e4m3_sr_bytes(t, u))
+  code = jnp.where(bad, 0, code | sign).reshape(rows // 2, 2, cols)
+  codes_ref[...] = (pick(code, 0) | (pick(code, 1) << 4)).T.astype(jnp.uint8)  # [C, L/2]
+  scales_ref[...] = scale.T.astype(jnp.uint8)  # [C, L/16]
+  if cfg.targets:
+    t_ref[0][...] = t.T
+
+
+def _grid(shape: tuple[int, int], cfg: EdenConfig):
+  """(grid, x BlockSpec): program (i, j) = group i along the quantized axis, column block j of the other."""
+  length, other = (shape[0], shape[1]) if cfg.axis == 0 else (shape[1], shape[0])
+  grid = (length // GROUP, other // cfg.block_c)
+  if cfg.axis == 0:
+    return grid, pl.BlockSpec((GROUP, cfg.block_c), lambda i, j: (i, j))
+  return grid, pl.BlockSpec((cfg.block_c, GROUP), lambda i, j: (j, i))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
+  grid, x_spec = _grid(x.shape, cfg)
+  length, other = grid[0] * GROUP, grid[1] * cfg.block_c
+  n_scales = length // BLOCK
+  bc = cfg.block_c
+  out_shape = [jax.ShapeDtypeStruct((other, length // 2), jnp.uint8),
+               jax.ShapeDtypeStruct((other, n_scales), jnp.uint8)]
+  out_specs = [pl.BlockSpec((bc, GROUP // 2), lambda i, j: (j, i)),
+               pl.BlockSpec((bc, GROUP // BLOCK), lambda i, j: (j, i))]
+  if cfg.targets:
+    out_shape.append(jax.ShapeDtypeStruct((other, n_scales), jnp.float32))
+    out_specs.append(pl.BlockSpec((bc, GROUP // BLOCK), lambda i, j: (j, i)))
+  return pl.pallas_call(
+      functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales),
+      out_shape=tuple(out_shape),
+      grid=grid,
+      in_specs=[pl.BlockSpec((_N_PARAMS,), lambda i, j: (0,)), x_spec],
+      out_specs=tuple(out_specs),
+      compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+      interpret=cfg.interpret,
+      name=KERNEL_NAME,
+  )(params, x)
+
+
+def _block_c(other: int, block_c: int) -> int:
+  """The largest of `BLOCK_C` up to `block_c` dividing the non-quantized axis."""
+  for b in BLOCK_C:
+    if b <= block_c and other % b == 0:
+      return b
+  raise ValueError(f"the non-quantized axis ({other}) must be a multiple of {BLOCK_C[-1]}")
+
+
+def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
+            tensor_amax: jax.Array | None = None, block_c: int = 16, num_warps: int = 4, targets: bool = False,
+            interpret: bool = False):
+  """MS-EDEN NVFP4 of a 2-D x along `axis`, rotated first by `spec.transform` (None: no rotation), in two
+  Pallas launches (the rotated amax, then the quantizer).
+
+  Equal bit for bit to `reference.quantize(hadamard(x, spec.transform, axis=axis, key=keys.transform) if
+  spec.transform else x, "nvfp4", axis=axis, rounding="eden", key=keys.rounding, tensor_amax=tensor_amax)`;
+  `tensor_amax` (the amax of the *rotated* x) skips the first launch. `targets=True` also returns t (float32
+  [other, length/16]), the corrected scales before their SR. Raises NotImplementedError where `check` does;
+  `interpret=True` runs both kernels in Pallas interpret mode (CPU).
+  """
+  check(x, spec, axis)
+  axis %= 2
+  transform, key, transform_key = spec.transform, keys.rounding, keys.transform
+  if key is None:
+    raise ValueError("MS-EDEN draws its scale rounding: pass a rounding key")
+  if transform is not None and hadamard.KINDS[transform].random_signs and transform_key is None:
+    raise ValueError(f"random-sign {transform=} needs a transform key")
+  other = x.shape[1 - axis]
+  cfg = EdenConfig(axis=axis, transform=transform, block_c=_block_c(other, block_c), num_warps=num_warps,
+                   targets=targets, interpret=interpret)
+  if tensor_amax is None:
+    amax = amax_lib.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret)
+  else:
+    amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
+  s_dec = reference.eden_decode_scale(amax)
+  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)),
+                            sign_words(transform, transform_key),
+                            jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], jnp.zeros((1,), jnp.uint32)])
+  codes, scales, *t = _eden_call(x, params, cfg)
+  outer = jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan)
+  q = QTensor(codes, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), outer, fmt="nvfp4", axis=axis,
+              shape=x.shape)
+  return (q, t[0]) if targets else q

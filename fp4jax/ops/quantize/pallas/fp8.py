@@ -1,0 +1,106 @@
+"""MXFP4 -> FP8 re-encoding for the Hopper GEMM as one Pallas pass: `numerics.fp8.mx_to_fp8`, bit for bit.
+
+values[r, k] = RNE_E4M3(e2m1(q) * 2^(e_b - e_row + 6)), row_scale[r] = 2^(e_row - 6) (`numerics.fp8` defines
+it, NaN blocks and rows included). e_row is the largest finite block exponent of a whole row, a
+reduction over all of K: it comes from the uint8 scales in a tiny XLA reduction (1 byte per 32 elements), and
+the kernel streams the packed codes (0.5 byte per element) once, writing the E4M3 bytes (1 byte per element).
+That is why the fused quantizer leaves this to a second pass: a tile of x cannot write its E4M3 values before
+every tile of its row has been seen, and re-reading the codes costs a quarter of re-reading x.
+
+The E4M3 byte is built with integer arithmetic: an E2M1 magnitude code m >= 2 is (1 + (m & 1) / 2) *
+2^((m >> 1) - 1), m = 1 is 2^-1; shifted by d = e_b - e_row + 6 its exponent te gives a normal E4M3 byte
+(te + 7) << 3 | mantissa << 2 for te >= -6, else the subnormal count of 2^-9 rounded to nearest-even.
+Backend: Pallas on GPU through the Triton lowering (see mxfp4.py); interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fp4jax.numerics import fp8 as encoding
+from fp4jax.numerics import ieee
+from fp4jax.numerics.qtensor import QTensor
+
+KERNEL_NAME = "fp4jax_mxfp4_to_fp8"
+_BLOCK = 32  # MXFP4 elements per scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tile:
+  """Per program: block_r rows x block_b scale blocks of the codes viewed as [R, K/32, 16] bytes."""
+
+  # The default was the fastest of the tiles timed on the H200 (docs/BENCHMARKS.md).
+  block_r: int = 8
+  block_b: int = 16
+  num_warps: int = 4
+  interpret: bool = False
+
+
+def _pick_tile(r: int, nb: int, tile: Fp8Tile) -> Fp8Tile:
+  """`tile` shrunk to powers of two dividing [r, nb] (rows, scale blocks)."""
+  block_r = next(b for b in (tile.block_r, 16, 8, 4, 2, 1) if b <= tile.block_r and r % b == 0)
+  block_b = next(b for b in (tile.block_b, 8, 4, 2, 1) if b <= tile.block_b and nb % b == 0)
+  return dataclasses.replace(tile, block_r=block_r, block_b=block_b)
+
+
+def _e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
+  """int32 E4M3 bytes of e2m1(code) * 2^d (code with sign bit 3), round-to-nearest-even, d <= 6."""
+  m = code & 7
+  is_norm2 = m >= 2
+  mb = jnp.where(is_norm2, m & 1, 0)  # the E2M1 mantissa bit
+  te = jnp.where(is_norm2, (m >> 1) - 1, -1) + d  # exponent of the shifted value
+  normal = ((te + 7) << 3) | (mb << 2)
+  # Below 2^-6 the value is v / 2^t units of 2^-9 with v = 8 + 4 mb, t = -(te + 6) >= 1; t >= 5 rounds to 0.
+  t = jnp.clip(-(te + 6), 1, 5)
+  v = 8 + 4 * mb
+  sub = (v + (1 << (t - 1)) - 1 + ((v >> t) & 1)) >> t  # round to nearest, ties to even
+  mag = jnp.where(m == 0, 0, jnp.where(te >= -6, normal, sub))
+  return mag | ((code & 8) << 4)
+
+
+def _kernel(codes_ref, scales_ref, erow_ref, out_ref):
+  """codes [br, bb, 16] uint8, scales [br, bb] uint8, e_row [br, 1] int32 -> out [br, bb, 16] uint16."""
+  c = codes_ref[...].astype(jnp.int32)  # [br, bb, 16]: one scale block per [i, j, :]
+  s = scales_ref[...].astype(jnp.int32)  # [br, bb]
+  d = (s - encoding.E8M0_BIAS - erow_ref[...] + encoding.FP8_HEADROOM)[..., None]  # [br, bb, 1]
+  both = _e4m3_bits(c & 15, d) | (_e4m3_bits(c >> 4, d) << 8)
+  out_ref[...] = jnp.where((s == encoding.E8M0_NAN)[..., None], encoding.E4M3_NAN_BITS * 257,
+                           both).astype(jnp.uint16)
+
+
+@functools.partial(jax.jit, static_argnames=("tile",))
+def _call(codes: jax.Array, scales: jax.Array, tile: Fp8Tile) -> encoding.Fp8Operand:
+  r, nb = scales.shape
+  e_row = encoding.row_exponent(scales)  # [R]
+  br, bb = tile.block_r, tile.block_b
+  words = pl.pallas_call(
+      _kernel,
+      out_shape=jax.ShapeDtypeStruct((r, nb, 16), jnp.uint16),
+      grid=(r // br, nb // bb),
+      in_specs=[pl.BlockSpec((br, bb, 16), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((br, bb), lambda i, j: (i, j)),
+                pl.BlockSpec((br, 1), lambda i, j: (i, 0))],
+      out_specs=pl.BlockSpec((br, bb, 16), lambda i, j: (i, j, 0)),
+      compiler_params=pltriton.CompilerParams(num_warps=tile.num_warps),
+      interpret=tile.interpret,
+      name=KERNEL_NAME,
+  )(codes.reshape(r, nb, 16), scales, e_row[:, None])
+  values = jax.lax.bitcast_convert_type(
+      jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(r, 32 * nb), jnp.float8_e4m3fn)  # [R, K]
+  row_nan = jnp.any(scales == encoding.E8M0_NAN, axis=-1)
+  row_scale = jnp.where(row_nan, jnp.nan, ieee.pow2(e_row - encoding.FP8_HEADROOM))
+  return encoding.Fp8Operand(values, row_scale.astype(jnp.float32))
+
+
+def mx_to_fp8(q: QTensor, *, tile: Fp8Tile | None = None, interpret: bool = False) -> encoding.Fp8Operand:
+  """`encoding.mx_to_fp8(q)` bit for bit, as one Pallas pass over the packed codes of a 2-D MXFP4 QTensor."""
+  if len(q.shape) != 2 or q.spec.scale != "e8m0" or q.spec.block != _BLOCK or q.outer is not None:
+    raise ValueError(f"mx_to_fp8 needs a 2-D MXFP4 QTensor; got {q.fmt=} {q.shape=}")
+  tile = dataclasses.replace(tile or Fp8Tile(), interpret=interpret)
+  return _call(q.codes, q.scales, _pick_tile(*q.scales.shape, tile))

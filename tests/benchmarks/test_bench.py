@@ -1,0 +1,74 @@
+"""The benchmark app runs end to end on CPU (tiny shapes, interpret mode) and parses what it must."""
+
+import json
+import os
+import re
+
+import pytest
+
+from bench import dot, quantize, triton
+from bench.__main__ import main
+
+
+def test_hlo_check_parser():
+  text = ('%c = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,32]{1,0} %a, f8e4m3fn[8,32]{1,0} %b), '
+          'custom_call_target="__cublas$lt$matmul$f8"\n'
+          '%d = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(bf16[8,32]{1,0} %a, bf16[8,32]{1,0} %b), '
+          'custom_call_target="__cublas$gemm"')
+  assert dot.cublas_fp8_gemms(text) == ["__cublas$lt$matmul$f8"]
+  by_name = ('%p.1 = f8e4m3fn[8,32]{1,0} parameter(0)\n%f = f8e4m3fn[8,32]{1,0} fusion(%x), kind=kLoop\n'
+             'ROOT %c.2 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%p.1, %f), '
+             'custom_call_target="__cublas$lt$matmul$f8"\n'
+             '%g = bf16[8,32]{1,0} parameter(1)\n'
+             '%d = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%g, %g), custom_call_target="__cublas$lt$matmul"')
+  assert dot.cublas_fp8_gemms(by_name) == ["__cublas$lt$matmul$f8"]
+
+def test_bench_dot_small_smoke(tmp_path, capsys):
+  out = tmp_path / "dot.json"
+  main(["dot", "--small", "--shapes", "2", "--routes", "bf16", "--iters", "1", "--warmup", "1",
+              "--out", str(out)])
+  printed = capsys.readouterr().out
+  assert "HLO check" in printed and "fp4 gemm fp8 backend MXFP4" in printed
+  rows = json.loads(out.read_text())["rows"]
+  assert all("ms" in r for r in rows), [r for r in rows if "ms" not in r]
+  assert {r["name"] for r in rows} >= {"bf16 dot", "fp8 per-tensor dot (fast accum)",
+                                       "fp4 gemm fp8 backend MXFP4", "fp4 gemm fp8 backend NVFP4 (bf16)",
+                                       "fp4 gemm emulated MXFP4"}
+  checks = json.loads(out.read_text())["check_vs_emulated"]
+  assert all(c["nan_pattern_equal"] and c["max_diff_over_bound"] <= 1 for c in checks.values())
+
+def test_bench_compile_small_smoke(capsys):
+  main(["compile", "--small", "--shapes", "0", "--routes", "mxfp4"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if "mxfp4" in l and "compile" in l]
+  assert [l.split()[3] for l in lines] == ["fwd", "fwd+bwd"], lines
+
+def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
+  # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
+  rc = main(["quantize", "--interpret", "--shapes", "64x128", "--variants",
+             "views dY sr|rne,nv dY sr|rne,sr/noclip+fp8", "--out", str(tmp_path)])
+  table = capsys.readouterr().out
+  assert rc == 0 and "fused views dY sr|rne" in table and "fused nv dY sr|rne" in table
+  assert "fused sr/noclip+fp8" in table and "to_fp8 8x16w4" in table
+  assert "MISMATCH" not in table
+
+def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones():
+  with pytest.raises(SystemExit, match=r"unknown variants \['nv rne\|rnee'\]"):
+    main(["quantize", "--interpret", "--variants", "rne/ocp,nv rne|rnee"])
+  script = open(os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_bench.sh")).read()
+  default = re.search(r"QUANTIZE_VARIANTS:-([^}]*)\}", script).group(1).split(",")
+  assert set(default) <= set(quantize.VARIANTS) and set(quantize.DOC_VARIANTS) <= set(quantize.VARIANTS)
+
+def test_cli_errors():
+  with pytest.raises(SystemExit):
+    main(["dot", "--no-such-flag"])
+  with pytest.raises(SystemExit):
+    main(["nope"])
+  with pytest.raises(SystemExit, match="unknown kernels"):
+    main(["triton", "mx nope"])
+
+
+def test_triton_lowers_every_kernel():
+  """`python -m bench triton`: every listed kernel lowers to Triton IR (compiled by the `triton` package where
+  installed), without a GPU."""
+  for name, fn in triton.KERNELS.items():
+    assert "tt.load" in triton.triton_ir(fn, (256, 256)), name

@@ -1,0 +1,28 @@
+"""MXFP4 QTensors built from chosen codes and block exponents, shared by the FP8 encoding and GEMM tests."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax.numerics.qtensor import QTensor, pack_codes
+from fp4jax.numerics.reference import dequantize
+
+
+def mx_qtensor(codes: np.ndarray, exps: np.ndarray) -> QTensor:
+  """MXFP4 QTensor [R, K] from uint8 codes [R, K] and block exponents [R, K/32] (None entries: NaN)."""
+  r, k = codes.shape
+  scales = np.where(np.isnan(exps), 255, np.nan_to_num(exps) + 127).astype(np.uint8)
+  return QTensor(pack_codes(jnp.asarray(codes, jnp.uint8)), jnp.asarray(scales), None, "mxfp4", 1, (r, k))
+
+
+def random_mx(seed: int, r: int, k: int, span: int, lo: int = -20, hi: int = 20) -> QTensor:
+  rng = np.random.default_rng(seed)
+  codes = rng.integers(0, 16, (r, k))
+  e_row = rng.integers(lo, hi + 1, (r, 1))
+  exps = (e_row - rng.integers(0, span + 1, (r, k // 32))).astype(np.float64)
+  exps[:, 0] = e_row[:, 0] - span  # every row spans exactly `span`
+  exps[:, -1] = e_row[:, 0]
+  return mx_qtensor(codes, exps)
+
+
+def dequantized(q: QTensor) -> np.ndarray:
+  return np.asarray(dequantize(q, jnp.float32))

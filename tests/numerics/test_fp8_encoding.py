@@ -1,0 +1,75 @@
+"""The MXFP4 -> E4M3 re-encoding of the Hopper GEMM (`numerics.fp8`) is exact within a span of 2^14 per row,
+and its error is bounded beyond it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax.numerics import fp8
+from fp4jax.numerics.formats import E2M1_VALUES
+from mx_operands import dequantized, mx_qtensor, random_mx
+
+
+def _encoded(op: fp8.Fp8Operand) -> np.ndarray:
+  return np.asarray(op.values.astype(jnp.float32)) * np.asarray(op.row_scale)[:, None]
+
+
+@pytest.mark.parametrize("span", [0, 3, 14])
+def test_mx_to_fp8_exact_within_span_14(span):
+  q = random_mx(span, 16, 256, span)
+  op = fp8.mx_to_fp8(q)
+  assert op.values.dtype == jnp.float8_e4m3fn and op.values.shape == (16, 256)
+  assert op.row_scale.dtype == jnp.float32 and op.row_scale.shape == (16,)
+  np.testing.assert_array_equal(_encoded(op), dequantized(q))
+  e_row = np.asarray(q.scales, np.int32).max(axis=1) - 127
+  np.testing.assert_array_equal(np.asarray(op.row_scale), np.ldexp(1.0, e_row - 6).astype(np.float32))
+  assert np.abs(np.asarray(op.values.astype(jnp.float32))).max() <= 384
+  assert bool(jnp.all(fp8.span_ok(q)))
+
+
+def test_mx_to_fp8_beyond_span_14_rounds_small_blocks():
+  """Blocks 2^15+ below the row max round (RNE) to the E4M3 subnormal grid: error <= 2^(e_row - 16)."""
+  q = random_mx(1, 16, 256, 20)
+  op = fp8.mx_to_fp8(q)
+  exps = np.asarray(q.scales, np.int32) - 127  # [R, K/32]
+  e_row = exps.max(axis=1, keepdims=True)
+  d = np.repeat(e_row - exps, 32, axis=1)  # [R, K]
+  enc, ref = _encoded(op), dequantized(q)
+  np.testing.assert_array_equal(enc[d <= 14], ref[d <= 14])
+  err = np.abs(enc - ref)
+  assert np.all(err <= np.ldexp(1.0, np.repeat(e_row, 256, axis=1) - 16))
+  assert np.all(enc[d >= 19] == 0) and np.any(enc[d == 18] != 0)
+  assert np.any(err[d == 15] > 0)  # the rounding really happens
+  assert not bool(jnp.any(fp8.span_ok(q)))
+
+
+def test_mx_to_fp8_round_to_nearest_even_at_span_15():
+  """d = 15: 0.5 -> 2^-10 ties to 0, 1 -> 2^-9 exact, 1.5 -> 1.5 * 2^-9 ties to 2^-8 (in row_scale units)."""
+  codes = np.zeros((1, 64), np.int64)
+  codes[0, :4] = [1, 2, 3, 4]  # 0.5, 1, 1.5, 2 in the small block
+  codes[0, 32] = 7  # 6 in the large block
+  op = fp8.mx_to_fp8(mx_qtensor(codes, np.array([[0.0, 15.0]])))
+  np.testing.assert_array_equal(np.asarray(op.values[0, :4].astype(jnp.float32)),
+                                [0.0, 2.0**-9, 2.0**-8, 2.0**-8])
+  assert float(op.row_scale[0]) == 2.0**9
+
+
+def test_mx_to_fp8_zero_rows_nan_blocks_and_tiny_rows():
+  rng = np.random.default_rng(3)
+  codes = rng.integers(0, 16, (4, 64))
+  codes[1] = 0  # a zero row
+  exps = np.array([[3.0, 1.0], [5.0, 5.0], [np.nan, 2.0], [-127.0, -125.0]])
+  q = mx_qtensor(codes, exps)
+  op = fp8.mx_to_fp8(q)
+  enc, ref = _encoded(op), dequantized(q)
+  assert np.all(enc[1] == 0)
+  bits = np.asarray(jax.lax.bitcast_convert_type(op.values, jnp.uint8))
+  assert np.all(bits[2, :32] == 0x7F) and np.isnan(float(op.row_scale[2]))
+  assert np.all(np.isnan(enc[2]))
+  assert float(op.row_scale[3]) == 2.0**-126  # e_row floored at -120: a normal float32 row scale
+  np.testing.assert_array_equal(enc[[0, 1]], ref[[0, 1]])
+  # Row 3 holds float32 subnormals, which dequantize flushes on CPU: compare with the exact float64 values.
+  e2m1 = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+  exact = e2m1[codes[3]] * np.ldexp(1.0, np.repeat(exps[3], 32).astype(int))
+  np.testing.assert_array_equal(np.asarray(op.values[3].astype(jnp.float32), np.float64) * 2.0**-126, exact)

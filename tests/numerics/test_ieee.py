@@ -1,0 +1,95 @@
+"""fp4jax.ieee: correctly rounded float32 division from the operands' bits, against numpy's IEEE division."""
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax.numerics import ieee
+
+_SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-40, 5.9e-39, 1.17549435e-38,
+                      3.4028235e38, -3.4028235e38, 1.0, 3.0, 6.0, 448.0, 2688.0, 1.875, 0.1], np.float32)
+
+
+def _cases(seed: int, n: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
+  """Random bit patterns (every exponent, subnormals, NaN payloads), random normals of moderate range, and
+  every pair of special values."""
+  rng = np.random.default_rng(seed)
+  bits = lambda: rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+  normal = lambda: (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n))).astype(np.float32)
+  sa, sb = (v.ravel() for v in np.meshgrid(_SPECIALS, _SPECIALS))
+  return np.concatenate([bits(), normal(), sa]), np.concatenate([bits(), normal(), sb])
+
+
+def _assert_bits_equal(got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  bad = (got.view(np.uint32) != want.view(np.uint32)) & ~(np.isnan(got) & np.isnan(want))
+  assert not bad.any(), f"{bad.sum()} differ, e.g. {got[bad][:4]} vs {want[bad][:4]}"
+
+
+def _numpy_div(a, b):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return np.divide(a, b)  # IEEE float32 division (numpy does not flush subnormals)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_div_is_correctly_rounded(seed):
+  a, b = _cases(seed)
+  _assert_bits_equal(jax.jit(ieee.div)(a, b), _numpy_div(a, b))
+
+
+def test_div_ties_and_exact_quotients():
+  """Quotients exactly halfway between float32 neighbours (round to even), exact ones, and subnormal ties."""
+  rng = np.random.default_rng(3)
+  m = rng.integers(1 << 23, 1 << 24, 4096).astype(np.float64)
+  a = np.concatenate([(2 * m + 1) * 3.0, m * 7.0, (2 * m + 1) * 2.0**-160]).astype(np.float32)
+  b = np.concatenate([np.full(4096, 6.0), np.full(4096, 7.0), np.full(4096, 2.0**-12)]).astype(np.float32)
+  _assert_bits_equal(jax.jit(ieee.div)(a, b), _numpy_div(a, b))
+
+
+def test_div_broadcasts():
+  a = np.arange(1, 13, dtype=np.float32).reshape(3, 4)
+  b = np.array([3.0, 7.0, 0.1, 6.0], np.float32)
+  _assert_bits_equal(ieee.div(a, b), _numpy_div(a, b))
+
+
+def test_div_pow2():
+  """Exact wherever a and the quotient are not subnormal (a product: XLA:CPU treats subnormals as zero)."""
+  a = _cases(4)[0]
+  subnormal = lambda v: (v != 0) & (np.abs(v) < np.finfo(np.float32).tiny)
+  for e in (-126, -9, -1, 0, 5, 126):
+    d = np.float32(2.0**e)
+    want = _numpy_div(a, d)
+    keep = ~subnormal(a) & ~subnormal(want)
+    _assert_bits_equal(ieee.div_pow2(a[keep], d), want[keep])
+
+
+@pytest.mark.gpu
+def test_div_on_gpu_is_correctly_rounded():
+  """XLA's `/` on NVIDIA GPUs is div.full.f32 (within 2 ulps); ieee.div must not depend on it."""
+  a, b = _cases(5, 1 << 20)
+  gpu = jax.devices("gpu")[0]
+  _assert_bits_equal(jax.jit(ieee.div)(jax.device_put(a, gpu), jax.device_put(b, gpu)), _numpy_div(a, b))
+
+
+def test_e4m3_to_f32_every_byte():
+  import jax.numpy as jnp
+  import ml_dtypes
+  b = np.arange(256, dtype=np.uint8)
+  want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = ieee.e4m3_to_f32(jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.float8_e4m3fn))
+  _assert_bits_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_e4m3_round_trip_rounds_on_gpu():
+  """float32 -> E4M3 -> float32 in one jitted computation on the GPU: astype may come back unrounded there,
+  e4m3_to_f32 must not."""
+  import jax.numpy as jnp
+  import ml_dtypes
+  t = np.random.default_rng(6).uniform(0, 448, 1 << 16).astype(np.float32)
+  want = t.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = jax.jit(lambda t: ieee.e4m3_to_f32(t.astype(jnp.float8_e4m3fn)))(jax.device_put(t, jax.devices("gpu")[0]))
+  _assert_bits_equal(got, want)

@@ -1,0 +1,50 @@
+"""fp4jax.prng: distribution of the counter-based bits, layout independence, a numpy re-implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy_ref  # tests/numpy_ref.py
+
+from fp4jax.numerics import prng
+
+KEY = jax.random.key(5)
+
+
+def test_uniform_moments_and_bit_balance():
+  n = 1 << 20
+  k0, k1 = prng.seed_words(KEY)
+  bits = np.asarray(prng.hash_bits(k0, k1, jax.lax.iota(jnp.uint32, n)))
+  u = np.asarray(prng.uniform_from_bits(jnp.asarray(bits)), np.float64)
+  sigma = np.sqrt(1 / 12 / n)
+  assert abs(u.mean() - 0.5) < 5 * sigma
+  assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / n)
+  assert 0.0 <= u.min() and u.max() < 1.0
+  ones = ((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1).mean(0)  # per bit position
+  assert np.all(np.abs(ones - 0.5) < 5 * 0.5 / np.sqrt(n)), ones
+  # Neighbouring counters are uncorrelated.
+  assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 5 / np.sqrt(n)
+
+
+def test_same_bits_for_same_counter_whatever_the_layout():
+  flat = prng.uniform(KEY, (64 * 48,))
+  np.testing.assert_array_equal(prng.uniform(KEY, (64, 48)), flat.reshape(64, 48))
+  # A kernel writing the transposed layout computes each element's bits from its original flat index.
+  k0, k1 = prng.seed_words(KEY)
+  transposed = prng.uniform_from_bits(prng.hash_bits(k0, k1, prng.flat_index((64, 48)).T))
+  np.testing.assert_array_equal(transposed, flat.reshape(64, 48).T)
+
+
+def test_keys_and_streams():
+  raw = jax.random.key_data(KEY)
+  np.testing.assert_array_equal(prng.uniform(raw, (100,)), prng.uniform(KEY, (100,)))
+  a = prng.uniform(KEY, (1000,))
+  assert (a != prng.uniform(jax.random.key(6), (1000,))).mean() > 0.99
+  assert (a != prng.uniform(KEY, (1000,), stream=prng.STREAM_SCALE_SR)).mean() > 0.99
+
+
+def test_matches_numpy_reimplementation():
+  counters = np.arange(0, 1 << 32, 9973 * 997, dtype=np.uint64).astype(np.uint32)
+  for stream in (prng.STREAM_ELEMENT_SR, prng.STREAM_SCALE_SR, prng.STREAM_HADAMARD_SIGNS):
+    k0, k1 = prng.seed_words(KEY, stream)
+    got = prng.uniform_from_bits(prng.hash_bits(k0, k1, jnp.asarray(counters)))
+    np.testing.assert_array_equal(got, numpy_ref.uniforms(KEY, stream, counters))

@@ -1,0 +1,101 @@
+"""fp8 GEMM backend: the GEMM equals the emulated product up to float32 accumulation order, takes the
+per-tensor scaled path exactly when that is exact, and keeps NaN rows and columns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.dot import abs_codes, cublas_fp8_gemms, random_qtensor
+from fp4jax.numerics import fp8 as fp8_encoding
+from fp4jax.numerics.qtensor import QTensor
+from fp4jax.ops.gemm import emulated as gemm_emulated
+from fp4jax.ops.gemm import fp8 as gemm_fp8
+from mx_operands import dequantized, mx_qtensor, random_mx
+
+
+def _bound(a: QTensor, b: QTensor, k: int) -> np.ndarray:
+  """|diff| bound of two float32 sums of the same exact products: 2 K 2^-24 |A| |B|^T, + outer rounding."""
+  absprod = gemm_emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32)
+  return np.asarray(2 * k * 2.0**-24 * absprod * (1 + 2.0**-20))
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"), ("nvfp4_tile", "nvfp4_tile"),
+                                         ("mxfp4", "nvfp4"), ("nvfp4", "mxfp4")])
+def test_gemm_matches_emulated(fmt_a, fmt_b):
+  """Both compute the same exact products in float32; only the accumulation order (and, for NVFP4, where the
+  outer factor is rounded) differs, so |fp8 - emulated| <= 2 K 2^-24 (|A| |B|^T) (plus 3 roundings of the outer
+  product, covered by 2^-20 relative slack)."""
+  m, n, k = 24, 40, 256
+  ka, kb = jax.random.split(jax.random.key(len(fmt_a) * 10 + len(fmt_b)))
+  a, b = random_qtensor(ka, fmt_a, m, k, span=10), random_qtensor(kb, fmt_b, n, k, span=10)
+  assert gemm_fp8.supports(a, b)
+  ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
+  out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
+  assert out.shape == (m, n) and out.dtype == np.float32
+  assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+  out16 = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16))(a, b)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7, atol=float(_bound(a, b, k).max()))
+
+
+@pytest.mark.parametrize("span_a,span_b", [(3, 14), (14, 0), (15, 2), (2, 20)])
+def test_tensor_scaled_path_taken_only_when_exact(span_a, span_b):
+  """One factor per tensor (scales fused into the cuBLASLt GEMM) is used exactly when both tensors span <= 2^14;
+  otherwise the per-row path runs. Either way the result equals the emulated product up to summation order."""
+  m, n, k = 16, 24, 128
+  a = random_mx(11 + span_a, m, k, span=0, lo=0, hi=0)
+  b = random_mx(17 + span_b, n, k, span=0, lo=0, hi=0)
+  # Spread whole rows apart so the *tensor* span, not any row span, is span_a / span_b.
+  a = _random_mx_rows(a, span_a)
+  b = _random_mx_rows(b, span_b)
+  fast = bool(fp8_encoding.tensor_span_ok(a) & fp8_encoding.tensor_span_ok(b))
+  assert fast == (span_a <= 14 and span_b <= 14)
+  if fast:
+    values, factor = fp8_encoding.fp8_tensor_operand(a)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)) * float(factor), dequantized(a))
+  ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
+  out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
+  assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+
+
+def _random_mx_rows(q: QTensor, span: int) -> QTensor:
+  """q with row r's block exponents lowered by r * span // (R - 1): the tensor spans `span`, each row 0."""
+  r = q.scales.shape[0]
+  drop = (np.arange(r) * span // (r - 1)).astype(np.int32)[:, None]
+  scales = (np.asarray(q.scales, np.int32) - drop).astype(np.uint8)
+  return QTensor(q.codes, jnp.asarray(scales), None, q.fmt, q.axis, q.shape)
+
+
+def test_gemm_nan_rows_and_columns():
+  rng = np.random.default_rng(5)
+  a = mx_qtensor(rng.integers(0, 16, (8, 64)), np.array([[0.0, 1.0]] * 8))
+  b = mx_qtensor(rng.integers(0, 16, (6, 64)), np.array([[2.0, -3.0]] * 6))
+  a = QTensor(a.codes, a.scales.at[3, 1].set(255), None, "mxfp4", 1, a.shape)
+  b = QTensor(b.codes, b.scales.at[4, 0].set(255), None, "mxfp4", 1, b.shape)
+  out = np.asarray(gemm_fp8.gemm(a, b, out_dtype=jnp.float32))
+  ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
+  expect_nan = np.zeros((8, 6), bool)
+  expect_nan[3, :] = expect_nan[:, 4] = True
+  np.testing.assert_array_equal(np.isnan(out), expect_nan)
+  np.testing.assert_array_equal(np.isnan(ref), expect_nan)
+  np.testing.assert_allclose(out[~expect_nan], ref[~expect_nan], rtol=1e-6)
+
+
+def test_supports_and_errors():
+  key = jax.random.key(0)
+  a = random_qtensor(key, "mxfp4", 4, 64)
+  assert not gemm_fp8.supports(a, random_qtensor(key, "mxfp4", 4, 128))  # K differs
+  with pytest.raises(ValueError, match="does not support"):
+    gemm_fp8.gemm(a, random_qtensor(key, "mxfp4", 4, 128), out_dtype=jnp.float32)
+  with pytest.raises(ValueError, match="MXFP4"):
+    fp8_encoding.mx_to_fp8(random_qtensor(key, "nvfp4", 4, 64))
+
+
+@pytest.mark.gpu
+def test_fp8_path_is_cublas_fp8_gemm_on_gpu():
+  key = jax.random.key(0)
+  # At Llama-size shapes (XLA may pick a Triton fusion for small GEMMs: 256x128x512 failed on the H200).
+  a, b = random_qtensor(key, "mxfp4", 4096, 4096), random_qtensor(key, "mxfp4", 4096, 4096)
+  hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
+  assert cublas_fp8_gemms(hlo)

@@ -1,0 +1,27 @@
+"""The rotated-amax pre-pass (NVFP4's Hadamard column views, MS-EDEN) equals the reference's amax of the
+rotated tensor bit for bit, NaN when anything is non-finite."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax.numerics import reference
+from fp4jax.numerics.hadamard import hadamard
+from fp4jax.ops.quantize.pallas import amax
+from quantize_inputs import INPUTS, bits, rng_for
+
+TKEY = jax.random.key(6)
+
+
+@pytest.mark.parametrize("transform", [None, "h16", "rht16", "rht32", "rht128"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_rotated_amax_matches_reference(transform, axis):
+  rng = rng_for("amax", transform, axis)
+  x = jnp.asarray(INPUTS["heavy"](rng, (256, 128)), jnp.bfloat16)
+  got = amax.rotated_amax(x, transform, TKEY, axis=axis, interpret=True)
+  xt = hadamard(x, transform, axis=axis, key=TKEY) if transform else x.astype(jnp.float32)
+  assert bits(got) == bits(reference._amax(xt))  # pylint: disable=protected-access
+  y = np.asarray(x, np.float32).copy()
+  y[17, 33] = np.inf
+  assert np.isnan(amax.rotated_amax(jnp.asarray(y), transform, TKEY, axis=axis, interpret=True))

@@ -1,0 +1,120 @@
+"""fp4_dot through the fused Pallas quantizers: the reference quantizers' numbers, one kernel launch per array
+where a kernel covers both of its views, and no kernel with Impl(quantizer="xla")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import Impl
+from fp4jax.dot import fp4_dot
+from fp4jax.numerics.hadamard import hadamard
+from fp4jax.ops.quantize import pallas, xla
+
+INTERPRET, XLA = Impl(quantizer="interpret"), Impl(quantizer="xla")
+
+
+def _pallas_launches(jaxpr) -> int:
+  """pallas_call equations in a jaxpr, counting each call of a shared sub-jaxpr (printed once) every time."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      n += 1
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          n += _pallas_launches(sub)
+  return n
+
+
+def _value_and_grads(route, x, w, key, impl):
+  f = lambda x, w: jnp.sum(fp4_dot(x, w, route=route, key=key, impl=impl).astype(jnp.float32) ** 2)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+
+
+@pytest.mark.parametrize("route,m,k,n", [("mxfp4", 64, 64, 32), ("mxfp4_sr", 64, 64, 32),
+                                         ("mxfp4_h32", 64, 64, 32), ("nvfp4", 64, 64, 32),
+                                         ("nvfp4_tile_local", 64, 64, 32), ("quartet2", 256, 128, 128)])
+def test_kernels_match_reference_in_fp4_dot(route, m, k, n):
+  """The value and both gradients; quartet2 includes its MS-EDEN kernels on the float32 X^ and W^."""
+  kx, kw, kk = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  ref = _value_and_grads(route, x, w, kk, XLA)
+  out = _value_and_grads(route, x, w, kk, INTERPRET)
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_one_pass_per_array(monkeypatch):
+  """X along K (fprop) and along M (wgrad, H32) come from ONE fused pass, dY along N (dgrad, SR) and along M
+  (wgrad, H32) from another; W (32x32 tiles, read by fprop and dgrad) from a third."""
+  calls = []
+  real = pallas.VIEW_KERNELS["mxfp4"]
+  monkeypatch.setitem(pallas.VIEW_KERNELS, "mxfp4", lambda x, row, col, *a, **k: calls.append((row, col)) or
+                      real(x, row, col, *a, **k))
+  x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+  key = jax.random.key(0)
+  jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: fp4_dot(x, w, route="mxfp4_h32", key=key,
+                                                                   impl=INTERPRET), x, w)[1](
+      jnp.ones((64, 32), jnp.bfloat16)))(x, w)
+  assert _pallas_launches(jaxpr.jaxpr) == 3  # one kernel launch per array: X, W, dY
+  assert [(r.rounding, r.transform, c.rounding, c.transform, r.tile_2d) for r, c in calls] == [
+      ("rne", None, "rne", "h32", False),  # X: fprop + wgrad
+      ("rne", None, "rne", None, True),  # W: 32x32 tiles
+      ("sr", None, "rne", "h32", False),  # dY: dgrad + wgrad
+  ]
+
+
+# Kernel launches in one fp4_dot forward + backward: one per array read where a kernel covers its recipes.
+LAUNCHES = {
+    "mxfp4": 3,  # X (fprop + wgrad), W (32x32 tiles), dY (SR dgrad + RNE wgrad)
+    "mxfp4_h32": 3,  # the same, the wgrad views with H32
+    "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
+    "nvfp4": 5,  # X (fprop + RHT16 wgrad), W (16x16 tiles), dY (SR dgrad + SR RHT16 wgrad); the two RHT16
+    # views' rotated amax passes
+    "quartet2": 8,  # 4/6 forward in XLA; MS-EDEN X^, W^ and dY's two views: rotated amax + quantizer each
+}
+
+
+@pytest.mark.parametrize("quantizer", ["auto", "xla"])
+def test_kernels_on_a_gpu_backend_and_none_with_xla(quantizer, monkeypatch):
+  """On a GPU backend "auto" quantizes every covered route through the kernels, Hadamard views included;
+  "xla" leaves all of it to XLA, backward included (traced with the backend reported as "gpu"; nothing is
+  compiled)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  xla_hadamards = []
+  monkeypatch.setattr(xla, "hadamard", lambda *a, **k: xla_hadamards.append(k) or hadamard(*a, **k))
+  x = w = g = jnp.ones((128, 128), jnp.bfloat16)  # quartet2's RHT128 needs multiples of 128
+  key = jax.random.key(0)
+  trace = lambda route: jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: fp4_dot(
+      x, w, route=route, key=key, impl=Impl(quantizer=quantizer)), x, w)[1](g))(x, w).jaxpr
+  launches = {route: _pallas_launches(trace(route)) for route in LAUNCHES}
+  assert launches == {route: n if quantizer == "auto" else 0 for route, n in LAUNCHES.items()}
+  # In XLA: X's and dY's wgrad views (H32 twice, RHT16 twice), quartet2's four RHT128 operands.
+  assert len(xla_hadamards) == (0 if quantizer == "auto" else 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2"])
+def test_gpu_kernels_match_reference_in_fp4_dot(route):
+  """Compiled on the GPU: the output and both input gradients equal those of the XLA reference quantizers
+  bit for bit (same operand bits, same GEMMs), and the kernels did run."""
+  kx, kw, kd, kk = jax.random.split(jax.random.key(17), 4)
+  x = jax.random.normal(kx, (1024, 512), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (512, 768), jnp.float32) * 0.05).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (1024, 768), jnp.float32).astype(jnp.bfloat16)
+
+  def fwd_bwd(impl):
+    def f(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=kk, impl=impl), x, w)
+      return y, *vjp(dy)
+    return f
+
+  ref = jax.jit(fwd_bwd(XLA))(x, w, dy)
+  assert _pallas_launches(jax.make_jaxpr(fwd_bwd(Impl()))(x, w, dy).jaxpr) == LAUNCHES[route]
+  out = jax.jit(fwd_bwd(Impl()))(x, w, dy)
+  for a, b in zip(ref, out):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
