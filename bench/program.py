@@ -27,11 +27,11 @@ _TRITON_IR = re.compile(r'ir = "[^"]*"')
 
 def normalized(text: str) -> str:
   """MLIR text without SSA value names, source locations and embedded Triton bytecode (hashed on its own)."""
-  lines = (_SSA.sub("%v", _LOC.sub("", _TRITON_IR.sub("ir = <triton>", line))) for line in text.splitlines())
-  return "\n".join(line for line in lines if line.strip() and not line.startswith("#loc"))
+  lines = (line for line in text.splitlines() if line.strip() and not line.startswith("#loc"))
+  return "\n".join(_SSA.sub("%v", _LOC.sub("", _TRITON_IR.sub("ir = <triton>", line))) for line in lines)
 
 
-def _digest(text: str) -> str:
+def digest(text: str) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> None:
       if route == "bf16":
         continue
       hlo, kernels = lowered(route, m, k, n)
-      print(f"{sname:18s} {route:18s} hlo {_digest(hlo)}  kernels {' '.join(map(_digest, kernels))}", flush=True)
+      print(f"{sname:18s} {route:18s} hlo {digest(hlo)}  kernels {' '.join(map(digest, kernels))}", flush=True)
       if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         stem = f"{route}_{m}x{k}x{n}"

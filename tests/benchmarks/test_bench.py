@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench import dot, quantize, triton
+from bench import dot, program, quantize, triton
 from bench.__main__ import main
 
 
@@ -72,3 +72,18 @@ def test_triton_lowers_every_kernel():
   installed), without a GPU."""
   for name, fn in triton.KERNELS.items():
     assert "tt.load" in triton.triton_ir(fn, (256, 256)), name
+
+
+def test_program_lowers_for_an_h200_without_one(capsys):
+  """`python -m bench program`: the H200 program of fp4_dot (Pallas kernels, FP8 GEMMs writing bf16) from a
+  CPU-only machine; its fingerprint ignores SSA names and locations, and is the same on every lowering."""
+  hlo, kernels = program.lowered("mxfp4", 128, 256, 512)  # --small's shape 0
+  assert len(kernels) == 3 and all("tt.load" in k for k in kernels)  # X, W and dY: one dual-view pass each
+  assert "xla.gpu.triton" in hlo and "f8E4M3FN" in hlo and "-> tensor<128x512xbf16>" in hlo
+  assert "%v" in hlo and "loc(" not in hlo
+  assert program.normalized('%a = f(%b) loc("x.py":1)\n#loc1 = loc("y")') == "%v = f(%v) "
+  main(["program", "--small", "--shapes", "0", "--routes", "bf16", "mxfp4"])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 1 and "mxfp4" in lines[0], lines
+  digests = lines[0].split("hlo")[1].split()
+  assert digests == [program.digest(hlo), "kernels", *map(program.digest, kernels)]

@@ -233,7 +233,8 @@ def butterfly(planes: list[jax.Array], n: int, words: list) -> list[jax.Array]:
   """
   count = len(planes)
   h, w = planes[0].shape
-  first_row = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0) * count % n  # plane 0's row in its Hadamard block
+  first_row = jax.lax.broadcasted_iota(jnp.int32, (h, w), 0)
+  first_row = (first_row * count if count > 1 else first_row) % n  # plane 0's row in its Hadamard block
   signed = []
   for p, y in enumerate(planes):
     r = first_row + p if p else first_row  # n is a multiple of count: no wrap-around
