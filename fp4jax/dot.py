@@ -75,10 +75,17 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
       device. The numbers do not depend on it.
     out_dtype: the result's dtype (default x.dtype), written straight from the float32 accumulator, e.g.
       float32 logits from bf16 inputs. Gradients keep x's and w's dtypes.
+  Any M, K, N: where the route needs whole blocks (`padding_multiples`), x and w are zero-padded inside and
+  the result sliced back, forward and backward, which is exact; the padded work costs its share of time.
   Returns:
     [..., N] in out_dtype.
   """
   route = route_lib.get(route)
+  for name, a in (("x", x), ("w", w)):
+    if not isinstance(a, (jax.Array, np.ndarray)):
+      raise TypeError(f"fp4_dot takes arrays: {name} is a {type(a).__name__} (wrap it in jnp.asarray)")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"fp4_dot takes floating-point arrays: {name} has dtype {a.dtype}")
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"fp4_dot needs x [..., K] and w [K, N]: {x.shape=}, {w.shape=}")
   if impl is None:
@@ -92,7 +99,6 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   *lead, k = x.shape
   n = w.shape[1]
   m = math.prod(lead)
-  _check_dims(route, m=m, k=k, n=n)
   if route.high_precision or 0 in (m, k, n):  # Empty operands: the product is zeros (or empty) in any route.
     if out_dtype is None:
       return jnp.dot(x, w).astype(x.dtype)
@@ -101,8 +107,40 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype))
   x, w = _vary_alike(x, w, key)
-  y = _dot2d(plan, x.reshape(m, k), w, key)  # [M, N]
+  mp, kp, np_ = (-(-d // mult) * mult for d, mult in zip((m, k, n), padding_multiples(route)))
+  y = _dot2d(plan, _pad2d(x.reshape(m, k), mp, kp), _pad2d(w, kp, np_), key)  # [Mp, Np]
+  if (mp, np_) != (m, n):
+    y = y[:m, :n]
   return y.reshape(*lead, n)
+
+
+def _pad2d(a: jax.Array, rows: int, cols: int) -> jax.Array:
+  """a [R, C] zero-padded to [rows, cols] (a itself when nothing is padded)."""
+  if a.shape == (rows, cols):
+    return a
+  return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+def padding_multiples(route: Route) -> tuple[int, int, int]:
+  """(M, K, N): what each dim is zero-padded up to a multiple of, so that every quantized operand's contraction
+  dim is a whole number of its blocks, Hadamard blocks and MS-EDEN groups (and, for 2-D tiles, its other dim a
+  whole number of tiles). (1, 1, 1) for a high-precision route.
+
+  Zero padding is exact: zeros add nothing to a dot product, raise no block maximum, quantize to zero under any
+  rounding and keep a Hadamard-rotated block's product with its partner (both operands are rotated alike).
+  Padding costs work in proportion (quartet2 pads a single token to 128).
+  """
+  contraction = {"fprop": "K", "dgrad": "N", "wgrad": "M"}
+  tile_other = {"fprop_x": "M", "fprop_w": "N", "dgrad_dy": "M", "dgrad_w": "K", "wgrad_x": "K", "wgrad_dy": "N"}
+  need = {"M": 1, "K": 1, "N": 1}
+  for gemm, (_, *roles) in route_lib.GEMMS.items():
+    for role in roles:
+      spec = route.spec(role)
+      for mult in spec.blocks.values():
+        need[contraction[gemm]] = math.lcm(need[contraction[gemm]], mult)
+      if spec.tile_2d:
+        need[tile_other[role]] = math.lcm(need[tile_other[role]], FORMATS[spec.fmt].block)
+  return need["M"], need["K"], need["N"]
 
 
 def _check_key(key) -> None:
@@ -125,25 +163,6 @@ def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array) -> tuple[jax.Array, 
   varying = lambda a: jax.typeof(a).manual_axis_type.varying
   axes = frozenset().union(*(varying(a) for a in (x, w, key)))
   return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
-
-
-def _check_dims(route: Route, *, m: int, k: int, n: int) -> None:
-  """Each quantized operand needs its GEMM's contraction dim (and, for 2-D tiles, the other) divisible."""
-  contraction = {"fprop": ("K", k), "dgrad": ("N", n), "wgrad": ("M", m)}
-  # The non-contraction dim of each operand (2-D tiles span it too).
-  tile_other = {"fprop_x": ("M", m), "fprop_w": ("N", n), "dgrad_dy": ("M", m), "dgrad_w": ("K", k),
-                "wgrad_x": ("K", k), "wgrad_dy": ("N", n)}
-  for gemm, (_, *roles) in route_lib.GEMMS.items():
-    for role in roles:
-      spec = route.spec(role)
-      checks = [(*contraction[gemm], f"{gemm} contraction", reason, mult)
-                for reason, mult in spec.blocks.items()]
-      if spec.tile_2d:
-        checks.append((*tile_other[role], "2-D tile", f"{spec.fmt} tile", FORMATS[spec.fmt].block))
-      for dim, value, why, reason, mult in checks:
-        if value % mult:
-          raise ValueError(f"fp4_dot route {route.name!r}: {dim}={value} ({why}) must be a multiple of "
-                           f"{mult} ({role}: {reason})")
 
 
 def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str, impl: Impl) -> Operand:

@@ -13,6 +13,7 @@ import pytest
 
 from fp4jax import Impl
 from fp4jax import route as routes
+from fp4jax import dot as dot_lib
 from fp4jax.dot import fp4_dot, other_orientation
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.reference import dequantize, quantize
@@ -268,39 +269,93 @@ def test_key_rules():
 
 
 @pytest.mark.parametrize("shape_x, shape_w, match", [
-    ((64, 48), (48, 64), r"K=48 \(fprop contraction\) must be a multiple of 32"),
-    ((64, 64), (64, 48), r"N=48 \(2-D tile\) must be a multiple of 32 \(fprop_w"),
-    ((48, 64), (64, 64), r"M=48 \(wgrad contraction\) must be a multiple of 32"),
     ((64, 64), (32, 64), r"x \[\.\.\., K\] and w \[K, N\]"),
+    ((), (64, 64), r"x \[\.\.\., K\] and w \[K, N\]"),
+    ((64, 64), (64,), r"x \[\.\.\., K\] and w \[K, N\]"),
 ])
 def test_shape_errors(shape_x, shape_w, match):
   with pytest.raises(ValueError, match=match):
     fp4_dot(jnp.ones(shape_x), jnp.ones(shape_w), route="mxfp4", key=jax.random.key(0))
 
 
-def test_2d_tiles_on_activations_name_the_tiled_dim():
-  tiled_dy = routes.OperandSpec("mxfp4", tile_2d=True)
-  route = routes.Route("tiled_dy", dgrad_dy=tiled_dy, dgrad_w=routes.OperandSpec("mxfp4"))
-  with pytest.raises(ValueError, match=r"M=48 \(2-D tile\) must be a multiple of 32 \(dgrad_dy: mxfp4 tile"):
-    fp4_dot(jnp.ones((48, 64)), jnp.ones((64, 64)), route=route)
+def test_input_type_errors():
+  w = jnp.ones((64, 64))
+  with pytest.raises(TypeError, match=r"x is a list \(wrap it in jnp.asarray\)"):
+    fp4_dot([[1.0] * 64], w, route="mxfp4", key=jax.random.key(0))
+  with pytest.raises(ValueError, match="floating-point arrays: w has dtype int32"):
+    fp4_dot(jnp.ones((8, 64)), jnp.ones((64, 64), jnp.int32), route="mxfp4", key=jax.random.key(0))
+  np_x = np.ones((32, 64), np.float32)  # NumPy arrays are arrays
+  assert fp4_dot(np_x, w, route="mxfp4_rtn").shape == (32, 64)
+
+
+def _padded_vjp(route, x, w, dy, key, mult):
+  """(y, dx, dw) of fp4_dot on x, w explicitly zero-padded to multiples of `mult` (M, K, N), sliced back."""
+  m, k = x.shape
+  n = w.shape[1]
+  mp, kp, np_ = (-(-d // q) * q for d, q in zip((m, k, n), mult))
+  pad = lambda a, r, c: jnp.pad(a, ((0, r - a.shape[0]), (0, c - a.shape[1])))
+  y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key), pad(x, mp, kp), pad(w, kp, np_))
+  dx, dw = vjp(pad(dy, mp, np_))
+  return y[:m, :n], dx[:m, :k], dw[:k, :n]
+
+
+@pytest.mark.parametrize("name, m, k, n", [(name, 48, 72, 64) for name in FP4_ROUTES] + [
+    ("mxfp4", 1, 64, 40), ("quartet2", 1, 64, 40), ("nvfp4", 130, 96, 136)])
+def test_any_shape_equals_explicit_zero_padding(name, m, k, n):
+  """M, K, N that are not whole blocks (48 tokens, K=72, one token, ...): fp4_dot pads inside, forward and
+  backward, and gives the bits of padding by hand."""
+  route = routes.get(name)
+  mult = dot_lib.padding_multiples(route)
+  x, w, dy = _data(m, k, n, dtype=jnp.bfloat16)
+  key = jax.random.key(5)
+  got = jax.jit(lambda x, w, dy: _vjp(name, x, w, dy, key=key))(x, w, dy)
+  want = jax.jit(lambda x, w, dy: _padded_vjp(route, x, w, dy, key, mult))(x, w, dy)
+  for g, e in zip(got, want):
+    assert (g.shape, g.dtype) == (e.shape, e.dtype)
+    np.testing.assert_array_equal(g, e)
+  assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+
+
+def test_padding_multiples_by_route():
+  assert dot_lib.padding_multiples(routes.get("bf16")) == (1, 1, 1)
+  assert dot_lib.padding_multiples(routes.get("mxfp4")) == (32, 32, 32)  # blocks; W's 32x32 tiles
+  assert dot_lib.padding_multiples(routes.get("nvfp4")) == (16, 16, 16)  # blocks, RHT16 on wgrad
+  assert dot_lib.padding_multiples(routes.get("quartet2")) == (128, 16, 128)  # RHT128 + MS-EDEN on dY, X
+  tiled_dy = routes.Route("tiled_dy", dgrad_dy=routes.OperandSpec("mxfp4", tile_2d=True),
+                          dgrad_w=routes.OperandSpec("mxfp4"))
+  assert dot_lib.padding_multiples(tiled_dy) == (32, 1, 32)  # dY's 32x32 tiles span M too
+
+
+def test_zero_padding_is_exact():
+  """Padding changes no quantized value: a deterministic forward on K=64 equals the same data padded to
+  K=96 with zeros, to float32 summation order."""
+  x, w, _ = _data(64, 64, 64)
+  xp, wp = jnp.pad(x, ((0, 0), (0, 32))), jnp.pad(w, ((0, 32), (0, 0)))
+  for name in ("mxfp4_rtn", "nvfp4"):
+    key = jax.random.key(1)
+    np.testing.assert_allclose(fp4_dot(xp, wp, route=name, key=key), fp4_dot(x, w, route=name, key=key),
+                               rtol=1e-6, atol=0)
+
+
+def test_vector_x_gives_a_vector():
+  x, w, _ = _data(1, 64, 64)
+  y = fp4_dot(x[0], w, route="quartet2", key=jax.random.key(0))
+  assert y.shape == (64,)
+  np.testing.assert_array_equal(y, fp4_dot(x, w, route="quartet2", key=jax.random.key(0))[0])
 
 
 @pytest.mark.parametrize("shape_x, shape_w", [((2, 0, 64), (64, 32)), ((32, 0), (0, 32)), ((32, 64), (64, 0))])
-def test_empty_operands_give_the_empty_product(shape_x, shape_w):
+@pytest.mark.parametrize("name", ["nvfp4", "quartet2"])
+def test_empty_operands_give_the_empty_product(shape_x, shape_w, name):
   """Zero tokens (or K = 0, N = 0): the product of empty operands, zero gradients, as jnp.dot."""
   x, w = jnp.ones(shape_x, jnp.bfloat16), jnp.ones(shape_w)
   loss = lambda f: lambda x, w: jnp.sum(f(x, w).astype(jnp.float32))
-  got = jax.value_and_grad(loss(lambda x, w: fp4_dot(x, w, route="nvfp4", key=jax.random.key(0))),
+  got = jax.value_and_grad(loss(lambda x, w: fp4_dot(x, w, route=name, key=jax.random.key(0))),
                            argnums=(0, 1))(x, w)
   want = jax.value_and_grad(loss(lambda x, w: jnp.dot(x, w).astype(x.dtype)), argnums=(0, 1))(x, w)
   for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     assert (g.shape, g.dtype) == (e.shape, e.dtype)
     np.testing.assert_array_equal(g, e)
-
-
-def test_quartet2_needs_rht_block_on_tokens():
-  with pytest.raises(ValueError, match=r"M=64 \(wgrad contraction\) must be a multiple of 128"):
-    fp4_dot(jnp.ones((64, 64)), jnp.ones((64, 128)), route="quartet2", key=jax.random.key(0))
 
 
 def test_impl_choices_and_errors():
