@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, Sequence, TextIO
 
-from train import tbevents
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 def _fmt_duration(s: float) -> str:
@@ -42,18 +43,21 @@ class ProgressBar:
 
 
 class MetricsLogger:
-  """Appends {"step", "kind", ...} records to metrics.jsonl and the same scalars to a TensorBoard file."""
+  """Appends {"step", "kind", ...} records to metrics.jsonl and the same scalars to a TensorBoard event file
+  (tensorboard's own writer: its TFRecord framing and protos, no TensorFlow needed)."""
 
   def __init__(self, out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     self._jsonl = open(self.jsonl_path, "a")
-    self._tb = tbevents.EventWriter(os.path.join(out_dir, "tb"))
+    self._tb = EventFileWriter(os.path.join(out_dir, "tb"))
 
   def log(self, step: int, kind: str, values: dict[str, float]) -> None:
     self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
     self._jsonl.flush()
-    self._tb.scalars(step, {f"{kind}/{k}": v for k, v in values.items()})
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
+                                         for k, v in values.items()])
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
     self._tb.flush()
 
   def close(self) -> None:

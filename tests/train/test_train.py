@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import checkpoint, config, tbevents, train
+from train import checkpoint, config, metrics, train
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
 TOKENS = np.frombuffer(TEXT, np.uint8).astype(np.uint16)
@@ -35,8 +35,8 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   assert losses[-1] < losses[0] - 1.0, losses
   out = cfg.run.out_dir
   assert os.path.exists(os.path.join(out, "loss.png")) and os.path.exists(os.path.join(out, "config.yaml"))
-  (tb_file,) = os.listdir(os.path.join(out, "tb"))
-  assert [s for s, _ in tbevents.read_scalars(os.path.join(out, "tb", tb_file))["train/loss"]] == list(range(1, 9))
+  assert [r["step"] for r in metrics.read_jsonl(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"] == \
+      list(range(1, 9))
 
   # An interrupted run: the same run directory holding only the step-4 checkpoint.
   resumed_dir = tmp_path / "resumed"
