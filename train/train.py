@@ -43,10 +43,12 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import checkpoint, config as config_lib, data, metrics
+from train import checkpoint, config as config_lib, data, metrics, tokenizers
+from train.errors import UserError
 
 MESH_AXES = ("data", "fsdp")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+assert set(DTYPES) == set(config_lib.DTYPES)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -57,12 +59,13 @@ def make_mesh(shape: tuple[int, ...], devices: list[Any] | None = None) -> Mesh:
   """A ("data", "fsdp") mesh over `devices` (default all); one entry of `shape` may be -1 (the rest)."""
   devices = jax.devices() if devices is None else devices
   if len(shape) != 2:
-    raise ValueError(f"run.mesh={shape} must have two entries (data, fsdp)")
+    raise UserError(f"run.mesh={list(shape)} must have two entries (data, fsdp)")
   n = len(devices)
   known = math.prod(s for s in shape if s != -1)
   dims = tuple(n // known if s == -1 else s for s in shape)
   if math.prod(dims) != n:
-    raise ValueError(f"run.mesh={shape} does not cover the {n} devices (resolved to {dims})")
+    raise UserError(f"run.mesh={list(shape)} does not cover the {n} device(s) (resolved to {list(dims)}); use sizes "
+                    f"whose product is {n}, e.g. [-1, 1]")
   return Mesh(np.asarray(devices).reshape(dims), MESH_AXES)
 
 
@@ -75,8 +78,32 @@ def llama_config(cfg: config_lib.Config, vocab_size: int):
   if preset.max_seq_len < cfg.data.seq_len:
     preset = dataclasses.replace(preset, max_seq_len=cfg.data.seq_len)
   if preset.vocab_size < vocab_size:
-    raise ValueError(f"model vocab_size={preset.vocab_size} < tokenizer vocab_size={vocab_size}")
+    raise UserError(f"model.overrides.vocab_size={preset.vocab_size} < the tokenizer's vocab_size={vocab_size}; "
+                    f"drop the override (the tokenizer's size, padded, is the default) or raise it")
   return preset
+
+
+def check_mesh(cfg: config_lib.Config) -> Mesh:
+  """The run's mesh; fails if it does not fit the devices or the batch does not split over it."""
+  mesh = make_mesh(cfg.run.mesh)
+  if cfg.data.batch_size % mesh.size:
+    raise UserError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices of "
+                    f"run.mesh={list(cfg.run.mesh)}")
+  return mesh
+
+
+def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
+  """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
+  the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files."""
+  tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+  lcfg = llama_config(cfg, tok.vocab_size)
+  for name in cfg.run.routes or (cfg.route,):
+    route_rules(config_lib.replace(cfg, route=name), lcfg.n_layers)
+  check_mesh(cfg)
+  data.resolve_sources(cfg.data.sources, "data.sources")
+  if cfg.data.eval_sources:
+    data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
+  return tok
 
 
 def route_rules(cfg: config_lib.Config, n_layers: int):
@@ -134,8 +161,6 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   lcfg = llama_config(cfg, vocab_size)
   rules = route_rules(cfg, lcfg.n_layers)
   tx = make_tx(cfg.optim, cfg.run.steps)
-  if cfg.model.dtype not in DTYPES:
-    raise ValueError(f"model.dtype={cfg.model.dtype!r}; valid: {list(DTYPES)}")
   impl = cfg.kernels.impl()
 
   def create():
@@ -255,12 +280,10 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if lead:
     with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
-  mesh = make_mesh(r.mesh)
-  if cfg.data.batch_size % mesh.size:
-    raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices")
-  ts = init_train_state(cfg, vocab_size, mesh)
-  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)
+  mesh = check_mesh(cfg)
+  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)  # checks sizes first
   eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
+  ts = init_train_state(cfg, vocab_size, mesh)
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
   start, latest = 0, ckpt.latest_step()
   if latest is not None and (not r.resume or latest > r.steps):
@@ -327,11 +350,9 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   route whose loss goes non-finite gets a row with that status; compare mode then goes on to the next route.
   """
   log = sys.stderr if log is None else log
-  from fp4jax import route as route_lib
   compare = bool(cfg.run.routes)
   routes = cfg.run.routes or (cfg.route,)
-  for name in routes:
-    route_lib.get(name)  # fail before tokenizing if a name is wrong
+  preflight(cfg)
   train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
