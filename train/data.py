@@ -146,17 +146,19 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
       n_tokens += arr.size
       done_bytes += os.path.getsize(files[i])
       dt = time.time() - t0
-      if log is not None and (i + 1 == len(files) or dt - shown > 0.5):
-        shown = dt
+      if log is not None and (i + 1 == len(files) or (log.isatty() and dt - shown > 0.5)):
+        shown = dt  # refreshed in place on a terminal; a log file gets the final count only
         log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
-                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s")
+                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
+                  f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, "
+                  f"{dt:.1f}s")
         log.flush()
   if n_tokens == 0:
     os.remove(tmp)
     raise UserError(f"the data files hold no text ({len(files)} file(s), first: {files[0]}); point the sources at "
                     f"non-empty files")
   if log is not None:
-    log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")
+    log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")  # ends the progress line
   os.replace(tmp, bin_path)
   with open(meta_path + ".tmp", "w") as f:
     json.dump({"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tok.name, "files": len(files)}, f)

@@ -19,25 +19,30 @@ def _fmt_duration(s: float) -> str:
 
 
 class ProgressBar:
-  """`\\r`-refreshed line: [route] step/total, loss, tok/s, elapsed and ETA (no tqdm dependency)."""
+  """[route] step/total, loss, tok/s, elapsed and ETA on stderr (no tqdm dependency).
 
-  def __init__(self, total: int, label: str, *, stream: TextIO = sys.stderr, enabled: bool = True):
-    self.total, self.label, self.stream, self.enabled = total, label, stream, enabled
+  On a terminal one line refreshed in place with `\\r` at every step; otherwise (a log file, a pipe) a plain line
+  every `every` steps and at the last one, so logs hold one readable line per report.
+  """
+
+  def __init__(self, total: int, label: str, *, stream: TextIO = sys.stderr, enabled: bool = True, every: int = 1):
+    self.total, self.label, self.stream, self.enabled, self.every = total, label, stream, enabled, every
+    self.tty = stream.isatty()
     self.t0 = time.time()
 
   def update(self, step: int, loss: float, tokens_per_s: float, eta_s: float | None) -> None:
-    if not self.enabled:
+    if not self.enabled or (not self.tty and step % self.every and step != self.total):
       return
     width = 20
     done = int(width * step / max(self.total, 1))
     eta = _fmt_duration(eta_s) if eta_s is not None else "?"
-    self.stream.write(f"\r[{self.label}] |{'#' * done}{'.' * (width - done)}| {step}/{self.total} "
-                      f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s {_fmt_duration(time.time() - self.t0)}"
-                      f" eta {eta}   ")
+    line = (f"[{self.label}] |{'#' * done}{'.' * (width - done)}| {step}/{self.total} loss {loss:.4f} "
+            f"{tokens_per_s:,.0f} tok/s {_fmt_duration(time.time() - self.t0)} eta {eta}")
+    self.stream.write(f"\r{line}   " if self.tty else f"{line}\n")
     self.stream.flush()
 
   def close(self) -> None:
-    if self.enabled:
+    if self.enabled and self.tty:
       self.stream.write("\n")
       self.stream.flush()
 

@@ -13,7 +13,8 @@ uninterrupted one; the data position is checkpointed with the state.
 Non-finite guard without a per-step host sync: step t's loss is read after step t+1 is dispatched, so the
 device never waits on the host; before an eval or a checkpoint the latest loss is read synchronously and the
 whole state checked finite (a finite loss says nothing of the update that followed it), so a NaN/inf state is
-never saved and the run stops naming the step.
+never saved and the run stops naming the step. Steps are 1-based everywhere (messages, metrics, checkpoints,
+the table): step N is the N-th optimizer update, and checkpoint N holds the state after it.
 
 Multi-host (documented, untested here): launch one process per host with the usual JAX env
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM/TPU environment) and set
@@ -247,11 +248,10 @@ class _StepRecorder:
       self._pause_s += time.time() - t0
 
   def record(self, step: int, loss: jax.Array, gnorm: jax.Array) -> None:
+    """Checks and logs the loss of `step` (1-based: the step-th optimizer update, as checkpoints count)."""
     value = float(loss)  # blocks until the step has run
     if not math.isfinite(value):
-      raise NonFiniteLossError(
-          f"[{self.label}] loss is {value} at step {step}; stopped. Last good checkpoint: step "
-          f"{self.ckpt.latest_step()} in {self.ckpt.directory}")
+      raise NonFiniteLossError(f"[{self.label}] loss is {value} at step {step}; stopped. {last_good(self.ckpt)}")
     now = time.time()
     if self._t_first is None:
       self._t_first, self._pause_s = now, 0.0
@@ -261,18 +261,26 @@ class _StepRecorder:
       self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
     self.losses[step] = value
     self._window.append(value)
-    done, total = step + 1, self.cfg.run.steps
-    eta = (total - done) * self.tokens_per_step / self.rate if self.rate else None
-    self.bar.update(done, value, self.rate, eta)
-    if self.log and (done % self.cfg.run.log_every == 0 or done == total):
-      self.log.log(done, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
-                                   "tokens_per_s": self.rate, "lr": float(self.schedule(step))})
+    total = self.cfg.run.steps
+    eta = (total - step) * self.tokens_per_step / self.rate if self.rate else None
+    self.bar.update(step, value, self.rate, eta)
+    if self.log and (step % self.cfg.run.log_every == 0 or step == total):
+      self.log.log(step, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
+                                   "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
+
+
+def last_good(ckpt: checkpoint.Checkpointer) -> str:
+  """The divergence message's tail: the newest checkpoint to go back to, if any."""
+  step = ckpt.latest_step()
+  if step is None:
+    return f"No checkpoint was saved yet in {ckpt.directory}."
+  return f"Last good checkpoint: step {step} in {ckpt.directory}"
 
 
 def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
         *, label: str | None = None) -> dict[str, Any]:
-  """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}."""
+  """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}, steps 1-based."""
   r = cfg.run
   label = label or cfg.route
   lead = jax.process_index() == 0
@@ -295,18 +303,17 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
     ts.state, data_state, start = ckpt.restore(ts.state)
     it.restore(data_state)
   log = metrics.MetricsLogger(r.out_dir) if lead else None
-  bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead)
+  bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
   eval_loss = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   try:
-    for step in range(start, r.steps):
+    for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
       batch = to_global(next(it), ts.batch_sharding)
-      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(step))
+      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
       if pending:  # the previous step's loss, read while this step runs: no device idle time
         rec.record(*pending)
-      pending = (step, loss, gnorm)
-      done = step + 1
+      pending = (done, loss, gnorm)
       do_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
       do_ckpt = (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps
       if do_eval or do_ckpt:
@@ -321,8 +328,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
         with rec.paused():
           if not bool(ts.all_finite(ts.state)):  # a finite loss does not prove the update after it finite
             raise NonFiniteLossError(
-                f"[{label}] state is non-finite after step {step} (whose loss was finite); stopped before "
-                f"saving it. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+                f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
+                f"saving it. {last_good(ckpt)}")
           ckpt.save(done, ts.state, it.state())
   finally:
     bar.close()

@@ -31,7 +31,8 @@ def tiny_cfg(tmp_path, *overrides):
 def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   cfg = tiny_cfg(tmp_path, "run.ckpt_every=4")
   full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  losses = [full["losses"][s] for s in range(8)]
+  assert sorted(full["losses"]) == list(range(1, 9))  # 1-based, as the checkpoints count
+  losses = [full["losses"][s] for s in range(1, 9)]
   assert losses[-1] < losses[0] - 1.0, losses
   out = cfg.run.out_dir
   assert os.path.exists(os.path.join(out, "loss.png")) and os.path.exists(os.path.join(out, "config.yaml"))
@@ -43,8 +44,8 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   shutil.copytree(os.path.join(out, "ckpt"), resumed_dir / "ckpt")
   shutil.rmtree(resumed_dir / "ckpt" / "8")
   resumed = train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}), TOKENS, TOKENS[:2000], 257)
-  assert sorted(resumed["losses"]) == [4, 5, 6, 7]
-  for s in range(4, 8):
+  assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+  for s in range(5, 9):
     assert resumed["losses"][s] == full["losses"][s], s  # bit-identical, not approximately equal
   assert resumed["eval_loss"] == full["eval_loss"]
   with pytest.raises(ValueError, match="checkpoint at step 8 but it is past run.steps=6"):
@@ -72,27 +73,28 @@ def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
   return dispatched
 
 
-@pytest.mark.parametrize("ckpt_every,last_good", [(1, "3"), (0, "None")])
+@pytest.mark.parametrize("ckpt_every,last_good", [(1, "Last good checkpoint: step 3 in .*ckpt"),
+                                                   (0, "No checkpoint was saved yet in .*ckpt")])
 def test_non_finite_loss_stops_with_message(tmp_path, monkeypatch, ckpt_every, last_good):
-  dispatched = _nan_loss_at(monkeypatch, 3)
+  dispatched = _nan_loss_at(monkeypatch, 3)  # the 4th update's loss (its PRNG step index is 3)
   cfg = tiny_cfg(tmp_path, f"run.ckpt_every={ckpt_every}")
-  with pytest.raises(train.NonFiniteLossError,
-                     match=rf"loss is nan at step 3; stopped. Last good checkpoint: step {last_good} in .*ckpt"):
+  with pytest.raises(train.NonFiniteLossError, match=rf"loss is nan at step 4; stopped. {last_good}"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  # Saving after step 3 checks its loss first; otherwise it is read once step 4 runs (no per-step sync).
+  # Saving after step 4 checks its loss first; otherwise it is read once step 5 runs (no per-step sync).
   assert dispatched == ([0, 1, 2, 3] if ckpt_every else [0, 1, 2, 3, 4])
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == (3 if ckpt_every
                                                                                             else None)
 
 
-def test_non_finite_state_is_never_checkpointed(tmp_path):
-  # lr=nan: step 0's loss is finite (initial params) but its update makes every parameter NaN.
-  cfg = tiny_cfg(tmp_path, "optim.lr=nan", "optim.warmup=0", "run.ckpt_every=1")
+def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
+  # lr=1e30: the first update leaves finite (huge) parameters, the second overflows them while its loss, computed
+  # before it, is still finite. Steps count updates from 1, as checkpoints do: checkpoint 1 is the last finite one.
+  cfg = tiny_cfg(tmp_path, "optim.lr=1e30", "optim.warmup=0", "run.ckpt_every=1")
   with pytest.raises(train.NonFiniteLossError,
-                     match=r"state is non-finite after step 0 .*stopped before saving it. Last good checkpoint: "
-                           r"step None in .*ckpt"):
+                     match=r"state is non-finite after step 2 \(whose loss was finite\); stopped before saving it. "
+                           r"Last good checkpoint: step 1 in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() is None
+  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
 
 
 def test_compare_mode_writes_table_and_plot(tmp_path):
@@ -165,5 +167,5 @@ def test_lr_schedules():
   cos = train.lr_schedule(config.replace(config.Config(), optim={"lr": 1.0, "warmup": 10, "min_lr_ratio": 0.1}
                                          ).optim, 100)
   np.testing.assert_allclose([cos(10), cos(55), cos(100)], [1.0, 0.55, 0.1], atol=1e-6)
-  with pytest.raises(ValueError, match="valid: \\['cosine', 'wsd'\\]"):
+  with pytest.raises(config.ConfigError, match=r"optim.schedule='linear' must be one of \['cosine', 'wsd'\]"):
     train.lr_schedule(config.OptimConfig(schedule="linear"), 10)
