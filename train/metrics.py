@@ -48,17 +48,18 @@ class ProgressBar:
 
 
 class MetricsLogger:
-  """Appends {"step", "kind", ...} records to metrics.jsonl and the same scalars to a TensorBoard event file
+  """Appends {"step", "kind", "route", ...} records to metrics.jsonl and the same scalars to a TensorBoard event file
   (tensorboard's own writer: its TFRecord framing and protos, no TensorFlow needed)."""
 
-  def __init__(self, out_dir: str):
+  def __init__(self, out_dir: str, route: str):
+    self.route = route
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     self._jsonl = open(self.jsonl_path, "a")
     self._tb = EventFileWriter(os.path.join(out_dir, "tb"))
 
   def log(self, step: int, kind: str, values: dict[str, float]) -> None:
-    self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+    self._jsonl.write(json.dumps({"step": step, "kind": kind, "route": self.route, **values}) + "\n")
     self._jsonl.flush()
     summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
                                          for k, v in values.items()])

@@ -44,7 +44,7 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import checkpoint, config as config_lib, data, metrics, tokenizers
+from train import checkpoint, config as config_lib, data, lock, metrics, tokenizers
 from train.errors import UserError
 
 MESH_AXES = ("data", "fsdp")
@@ -302,7 +302,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if latest is not None:
     ts.state, data_state, start = ckpt.restore(ts.state)
     it.restore(data_state)
-  log = metrics.MetricsLogger(r.out_dir) if lead else None
+  log = metrics.MetricsLogger(r.out_dir, label) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
   eval_loss = None
@@ -355,11 +355,17 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
 
   Writes out_dir/table.md, out_dir/summary.json and (compare mode) out_dir/loss.png with every curve. A
   route whose loss goes non-finite gets a row with that status; compare mode then goes on to the next route.
+  The config is checked in full first; then out_dir is locked for the whole call (`train.lock.RunLock`).
   """
   log = sys.stderr if log is None else log
+  preflight(cfg)
+  with lock.RunLock(cfg.run.out_dir, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+    return _run_routes(cfg, log)
+
+
+def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
   compare = bool(cfg.run.routes)
   routes = cfg.run.routes or (cfg.route,)
-  preflight(cfg)
   train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
