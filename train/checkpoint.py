@@ -15,6 +15,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 
+def saved_steps(directory: str) -> list[int]:
+  """The finished checkpoint steps under `directory`, ascending, read from the directory names alone (Orbax writes
+  a step under a temporary name and renames it when complete)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
 class Checkpointer:
   """`save(step, state, data_state)` / `restore(state) -> (state, data_state, step)` under `directory`."""
 

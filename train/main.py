@@ -45,9 +45,14 @@ def _run(args: argparse.Namespace) -> int:
     rows = train.run_all(cfg)
   except train.NonFiniteLossError:
     return EXIT_FAILED_RUN
+  failed = [r for r in rows if r.get("status") != "ok"]
   if jax.process_index() == 0:
     print(metrics.format_table(rows))
     out = os.path.abspath(cfg.run.out_dir)
-    print(f"outputs: {out} (loss plot: {os.path.join(out, 'loss.png')}, table: {os.path.join(out, 'table.md')})",
-          file=sys.stderr)
-  return 0
+    plot = os.path.join(out, "loss.png")
+    print(f"outputs: {out} (loss plot: {plot if os.path.exists(plot) else 'none'}, table: "
+          f"{os.path.join(out, 'table.md')})", file=sys.stderr)
+    if failed:
+      print(f"python -m train: {len(failed)} of {len(rows)} route(s) failed: "
+            f"{'; '.join(f'{r['route']} ({r['status']})' for r in failed)}", file=sys.stderr)
+  return EXIT_FAILED_RUN if failed else 0

@@ -82,8 +82,13 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
 
 
-def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
-  """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records."""
+def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> bool:
+  """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records.
+
+  Returns whether it wrote one: with no point to draw (every route failed before logging) it writes nothing.
+  """
+  if not any(r["kind"] in ("train", "eval") for records in curves.values() for r in records):
+    return False
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -105,6 +110,7 @@ def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str =
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return True
 
 
 TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "first step",

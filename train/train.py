@@ -84,6 +84,14 @@ def llama_config(cfg: config_lib.Config, vocab_size: int):
   return preset
 
 
+def route_configs(cfg: config_lib.Config) -> list[tuple[str, config_lib.Config]]:
+  """(route, its run's config) for each route: compare mode (run.routes set) puts each in out_dir/<route>/."""
+  if not cfg.run.routes:
+    return [(cfg.route, cfg)]
+  return [(name, config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)}))
+          for name in cfg.run.routes]
+
+
 def check_mesh(cfg: config_lib.Config) -> Mesh:
   """The run's mesh; fails if it does not fit the devices or the batch does not split over it."""
   mesh = make_mesh(cfg.run.mesh)
@@ -98,9 +106,11 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files."""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
-  for name in cfg.run.routes or (cfg.route,):
-    route_rules(config_lib.replace(cfg, route=name), lcfg.n_layers)
+  for _, sub in route_configs(cfg):
+    route_rules(sub, lcfg.n_layers)
   check_mesh(cfg)
+  for _, sub in route_configs(cfg):
+    check_out_dir(sub)
   data.resolve_sources(cfg.data.sources, "data.sources")
   if cfg.data.eval_sources:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
@@ -284,6 +294,12 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   r = cfg.run
   label = label or cfg.route
   lead = jax.process_index() == 0
+  saved = check_out_dir(cfg)
+  if saved is not None:
+    if lead:
+      print(f"[{label}] finished earlier: reporting {os.path.join(r.out_dir, RESULT_FILE)} (use another run.out_dir "
+            f"to train again)", file=sys.stderr)
+    return {**saved, "losses": {}}
   os.makedirs(r.out_dir, exist_ok=True)
   if lead:
     with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
@@ -294,11 +310,6 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   ts = init_train_state(cfg, vocab_size, mesh)
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
   start, latest = 0, ckpt.latest_step()
-  if latest is not None and (not r.resume or latest > r.steps):
-    ckpt.close()
-    why = "run.resume=false" if not r.resume else f"it is past run.steps={r.steps}"
-    raise ValueError(f"{ckpt.directory} holds a checkpoint at step {latest} but {why}: use another run.out_dir "
-                     f"or delete it")
   if latest is not None:
     ts.state, data_state, start = ckpt.restore(ts.state)
     it.restore(data_state)
@@ -347,15 +358,74 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
     metrics.plot_losses(curves, os.path.join(r.out_dir, "loss.png"), title=label)
+    _write_json(os.path.join(r.out_dir, RESULT_FILE), row)  # a rerun reports this instead of re-deriving it
   return {**row, "losses": rec.losses}
+
+
+def _write_json(path: str, obj: Any) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + ".tmp", path)  # never a half-written file
+
+
+RESULT_FILE = "result.json"
+# Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
+# left to check_out_dir (more steps continue the run, fewer cannot).
+_RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
+                           "progress"},
+                   "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
+
+
+def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """'key: saved -> now' for every result-relevant setting that differs between two `config_lib.to_dict` trees."""
+  out = []
+  for section, value in now.items():
+    old = saved.get(section)
+    if not isinstance(value, dict):
+      out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
+      continue
+    old = old if isinstance(old, dict) else {}
+    out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
+            if k not in _RESULT_NEUTRAL.get(section, ()) and old.get(k) != v]
+  return out
+
+
+def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
+  """The saved result row when run.out_dir holds this run finished, else None (train, from its checkpoint if any).
+
+  Fails with a UserError, before any work, when the checkpoint there cannot continue this config: run.resume is
+  false, a result-relevant setting differs from the run that wrote it, or it is past run.steps.
+  """
+  r = cfg.run
+  steps = checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))
+  if not steps:
+    return None
+  held = f"{r.out_dir} holds a run checkpointed at step {steps[-1]}"
+  if not r.resume:
+    raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
+  saved_cfg = os.path.join(r.out_dir, "config.yaml")
+  if os.path.exists(saved_cfg):
+    with open(saved_cfg) as f:
+      changed = _changed_settings(yaml.safe_load(f) or {}, config_lib.to_dict(cfg))
+    if changed:
+      raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
+                      f"settings")
+  if steps[-1] > r.steps:
+    raise UserError(f"{held}, past run.steps={r.steps}: use another run.out_dir for a shorter run")
+  result = os.path.join(r.out_dir, RESULT_FILE)
+  if steps[-1] == r.steps and os.path.exists(result):
+    with open(result) as f:
+      return json.load(f)
+  return None
 
 
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   """One run per route of `run.routes` (compare mode, out_dir/<route>/) or of `route`; shared data.
 
   Writes out_dir/table.md, out_dir/summary.json and (compare mode) out_dir/loss.png with every curve. A
-  route whose loss goes non-finite gets a row with that status; compare mode then goes on to the next route.
-  The config is checked in full first; then out_dir is locked for the whole call (`train.lock.RunLock`).
+  route whose loss goes non-finite gets a row with that status (not "ok"); compare mode then goes on to the next
+  route, and the caller decides the exit status from the rows. A route already finished in its out_dir with the
+  same settings is not trained again: its saved result.json row is reported. The config is checked in full first; then out_dir is locked for the whole call (`train.lock.RunLock`).
   """
   log = sys.stderr if log is None else log
   preflight(cfg)
@@ -370,9 +440,7 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
   rows = []
-  for name in routes:
-    sub = config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)} if compare
-                             else {})
+  for name, sub in route_configs(cfg):
     try:
       rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
     except NonFiniteLossError as e:
@@ -391,5 +459,6 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
     if compare:
       curves = {name: metrics.read_jsonl(p) for name in routes
                 if os.path.exists(p := os.path.join(cfg.run.out_dir, name, "metrics.jsonl"))}
-      metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared")
+      if not metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared"):
+        log.write("[train] no loss curve to plot: no route logged a step\n")
   return rows

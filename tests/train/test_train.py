@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from train import checkpoint, config, metrics, train
+from train.errors import UserError
+from train.main import EXIT_FAILED_RUN, main
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
 TOKENS = np.frombuffer(TEXT, np.uint8).astype(np.uint16)
@@ -48,8 +50,10 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   for s in range(5, 9):
     assert resumed["losses"][s] == full["losses"][s], s  # bit-identical, not approximately equal
   assert resumed["eval_loss"] == full["eval_loss"]
-  with pytest.raises(ValueError, match="checkpoint at step 8 but it is past run.steps=6"):
+  with pytest.raises(UserError, match=r"holds a run checkpointed at step 8, past run.steps=6: use another run.out_dir"):
     train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
+  with pytest.raises(UserError, match=r"with other settings \(optim.lr: 0.01 -> 0.02\): use another run.out_dir"):
+    train.run(config.replace(cfg, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
 
 
 def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
@@ -97,20 +101,49 @@ def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
 
 
-def test_compare_mode_writes_table_and_plot(tmp_path):
+def _corpus_cfg(tmp_path, *overrides):
   corpus = tmp_path / "corpus.txt"
   corpus.write_bytes(TEXT)
-  cfg = tiny_cfg(tmp_path, f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
-                 "data.eval_fraction=0.1", "run.steps=3", "run.routes=[bf16, mxfp4]")
+  return tiny_cfg(tmp_path, f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
+                  "data.eval_fraction=0.1", *overrides)
+
+
+def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, monkeypatch):
+  cfg = _corpus_cfg(tmp_path, "run.steps=3", "run.routes=[bf16, mxfp4]")
   rows = train.run_all(cfg)
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"] and all(r["status"] == "ok" for r in rows)
   out = cfg.run.out_dir
   table = open(os.path.join(out, "table.md")).read()
-  assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table
+  assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table and "n/a" not in table
   assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert summary[1]["route"] == "mxfp4" and summary[1]["eval_loss"] > 0
-  assert os.path.exists(os.path.join(out, "mxfp4", "metrics.jsonl"))
+  records = metrics.read_jsonl(os.path.join(out, "mxfp4", "metrics.jsonl"))
+  assert records and {r["route"] for r in records} == {"mxfp4"}
+
+  # A rerun of the finished runs reports their saved results (no training, nothing lost) ...
+  monkeypatch.setattr(train, "init_train_state", lambda *a, **k: pytest.fail("a finished run was trained again"))
+  assert [r["train_loss"] for r in train.run_all(cfg)] == [r["train_loss"] for r in rows]
+  assert open(os.path.join(out, "table.md")).read() == table
+  assert json.load(open(os.path.join(out, "summary.json"))) == summary
+  # ... and a shorter one stops before any work with one line, leaving them as they were.
+  with pytest.raises(UserError, match=r"bf16 holds a run checkpointed at step 3, past run.steps=2"):
+    train.run_all(config.replace(cfg, run={"steps": 2, "routes": ("bf16", "nvfp4")}))
+  assert open(os.path.join(out, "table.md")).read() == table
+
+
+def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
+  def diverge(cfg, *args, label=None):
+    raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
+  monkeypatch.setattr(train, "run", diverge)
+  cfg = _corpus_cfg(tmp_path)
+  assert main(["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"data.cache_dir={cfg.data.cache_dir}",
+               "--set", "data.eval_fraction=0.1", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
+               "--set", f"run.out_dir={cfg.run.out_dir}", "--set", "run.routes=[bf16, mxfp4]"]) == EXIT_FAILED_RUN
+  err = capsys.readouterr().err
+  assert ("python -m train: 2 of 2 route(s) failed: bf16 (loss is nan at step 2); mxfp4 (loss is nan at step 2)"
+          in err), err
+  assert "loss plot: none" in err and not os.path.exists(os.path.join(cfg.run.out_dir, "loss.png"))
 
 
 _SHARDED = textwrap.dedent("""
