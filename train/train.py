@@ -454,8 +454,8 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
     table = metrics.format_table(rows)
     with open(os.path.join(cfg.run.out_dir, "table.md"), "w") as f:
       f.write(table + "\n")
-    with open(os.path.join(cfg.run.out_dir, "summary.json"), "w") as f:
-      json.dump([{k: v for k, v in r.items() if k != "losses"} for r in rows], f, indent=1)
+    _write_json(os.path.join(cfg.run.out_dir, "summary.json"), [{k: v for k, v in r.items() if k != "losses"}
+                                                                 for r in rows])
     if compare:
       curves = {name: metrics.read_jsonl(p) for name in routes
                 if os.path.exists(p := os.path.join(cfg.run.out_dir, name, "metrics.jsonl"))}
