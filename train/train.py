@@ -425,7 +425,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   Writes out_dir/table.md, out_dir/summary.json and (compare mode) out_dir/loss.png with every curve. A
   route whose loss goes non-finite gets a row with that status (not "ok"); compare mode then goes on to the next
   route, and the caller decides the exit status from the rows. A route already finished in its out_dir with the
-  same settings is not trained again: its saved result.json row is reported. The config is checked in full first; then out_dir is locked for the whole call (`train.lock.RunLock`).
+  same settings is not trained again: its saved result.json row is reported. The config is checked in full first,
+  then out_dir is locked for the whole call (`train.lock.RunLock`).
   """
   log = sys.stderr if log is None else log
   preflight(cfg)
