@@ -103,14 +103,13 @@ def check_mesh(cfg: config_lib.Config) -> Mesh:
 
 def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
-  the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files."""
+  the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files.
+  (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
   for _, sub in route_configs(cfg):
     route_rules(sub, lcfg.n_layers)
   check_mesh(cfg)
-  for _, sub in route_configs(cfg):
-    check_out_dir(sub)
   data.resolve_sources(cfg.data.sources, "data.sources")
   if cfg.data.eval_sources:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
@@ -431,6 +430,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   log = sys.stderr if log is None else log
   preflight(cfg)
   with lock.RunLock(cfg.run.out_dir, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+    for _, sub in route_configs(cfg):  # under the lock: what a running job writes there is not yet final
+      check_out_dir(sub)
     return _run_routes(cfg, log)
 
 
