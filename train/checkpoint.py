@@ -92,7 +92,8 @@ class Checkpointer:
       out = self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except  # damaged files fail in many Orbax/TensorStore ways
-      return f"it does not restore: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}", None
+      first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+      return f"it does not restore: {type(e).__name__}: {first[:160]}", None
     digest, finite = state_digest(out["state"])
     saved = out["data"].get(DIGEST_KEY)
     if saved is not None and saved != digest:
