@@ -3,23 +3,76 @@
 The array state is saved as the pure nested dict of the NNX state of (model, optimizer); restoring uses the
 live state as the abstract target, so arrays come back with their current shardings (works across meshes
 as long as the shapes match). The data iterator's state is a small JSON item next to it.
+
+Verification: the JSON item also holds a digest of every array's bits, computed on the device when the step is
+saved. A restore recomputes it, and checks the state finite, before trusting a step, so a truncated or missing
+file (which fails inside Orbax/TensorStore) and flipped bytes (which would restore silently) both count as
+damage. `restore` then falls back to the newest intact step with a warning, moving the damaged ones aside
+(out of the way of the steps the resumed run will save), or fails with one line naming the damaged step.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+import time
+from typing import Any, TextIO
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from train.errors import UserError
+
+DIGEST_KEY = "state_digest"
+
+
+def saved_steps(directory: str) -> list[int]:
+  """The finished checkpoint steps under `directory`, ascending, read from the directory names alone (Orbax writes
+  a step under a temporary name and renames it when complete)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+
+
+@jax.jit
+def _fingerprint(tree: Any) -> tuple[jax.Array, jax.Array]:
+  """(uint32 digest of every leaf's bits, whether every float leaf is finite), in one pass on the device.
+
+  Per leaf: the sum of its 32-bit words and their sum weighted by odd position factors (mod 2^32, so the
+  result does not depend on the reduction order or the sharding), folded over the leaves in tree order.
+  """
+  digest, finite = jnp.uint32(0), jnp.bool_(True)
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      finite &= jnp.isfinite(x).all()
+    bits = x.reshape(-1)
+    if bits.dtype.itemsize == 8:
+      bits = jax.lax.bitcast_convert_type(bits, jnp.uint32).reshape(-1)
+    elif bits.dtype == jnp.bool_:
+      bits = bits.astype(jnp.uint32)
+    else:
+      bits = jax.lax.bitcast_convert_type(bits, jnp.dtype(f"uint{8 * bits.dtype.itemsize}")).astype(jnp.uint32)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * 2 + 1
+    digest = digest * jnp.uint32(0x9E3779B1) + bits.sum(dtype=jnp.uint32) + (bits * weights).sum(dtype=jnp.uint32)
+  return digest, finite
+
+
+def state_digest(state_dict: Any) -> tuple[str, bool]:
+  """(hex digest of the arrays' bits, all finite) of a pure state dict."""
+  digest, finite = _fingerprint(state_dict)
+  return f"{int(digest):08x}", bool(finite)
 
 
 class Checkpointer:
   """`save(step, state, data_state)` / `restore(state) -> (state, data_state, step)` under `directory`."""
 
-  def __init__(self, directory: str, *, max_to_keep: int = 2):
+  def __init__(self, directory: str, *, max_to_keep: int = 2, log: TextIO = sys.stderr):
     self.directory = os.path.abspath(directory)
+    self.log = log
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         item_names=("state", "data"))
@@ -28,19 +81,67 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def save(self, step: int, state: nnx.State, data_state: dict[str, Any]) -> None:
+    pure = nnx.to_pure_dict(state)
+    data_state = {**data_state, DIGEST_KEY: state_digest(pure)[0]}
     self._mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(nnx.to_pure_dict(state)), data=ocp.args.JsonSave(data_state)))
+        state=ocp.args.StandardSave(pure), data=ocp.args.JsonSave(data_state)))
 
-  def restore(self, state: nnx.State, step: int | None = None) -> tuple[nnx.State, dict[str, Any], int]:
-    """Restores `step` (default latest) into a copy of `state`'s structure and shardings."""
-    step = self._mgr.latest_step() if step is None else step
-    if step is None:
+  def _problem(self, target: Any, step: int) -> tuple[str | None, Any]:
+    """(None, restored items) for an intact step, else (what is wrong with it, None)."""
+    try:
+      out = self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  # damaged files fail in many Orbax/TensorStore ways
+      first = (str(e).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+      return f"it does not restore: {type(e).__name__}: {first[:160]}", None
+    digest, finite = state_digest(out["state"])
+    saved = out["data"].get(DIGEST_KEY)
+    if saved is not None and saved != digest:
+      return f"its arrays do not match the digest saved with them ({digest} != {saved})", None
+    if not finite:
+      return "it holds non-finite values", None
+    if saved is None:
+      self.log.write(f"[ckpt] warning: step {step} in {self.directory} has no digest (saved by an older version); "
+                     f"only checked finite\n")
+    return None, out
+
+  def restore(self, state: nnx.State) -> tuple[nnx.State, dict[str, Any], int]:
+    """Restores the newest intact step into a copy of `state`'s structure and shardings.
+
+    Damaged newer steps are moved to `<directory>-damaged/` with a warning; if no step is intact, raises a
+    UserError naming the newest one.
+    """
+    steps = sorted(self._mgr.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
-    out = self._mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+      problem, out = self._problem(target, step)
+      if problem is None:
+        break
+      damaged.append((step, problem))
+      self.log.write(f"[ckpt] warning: checkpoint step {step} in {self.directory} is damaged: {problem}\n")
+    else:
+      newest, problem = damaged[0]
+      raise UserError(f"checkpoint step {newest} in {self.directory} is damaged ({problem}) and no older step is "
+                      f"intact: delete {self.directory} to train from scratch, or use another run.out_dir")
+    if damaged:
+      self._set_aside([s for s, _ in damaged])
+      self.log.write(f"[ckpt] resuming from step {step}, the newest intact one\n")
     nnx.replace_by_pure_dict(state, out["state"])
-    return state, dict(out["data"]), step
+    data_state = {k: v for k, v in out["data"].items() if k != DIGEST_KEY}
+    return state, data_state, step
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Moves damaged steps out of the manager's directory (kept for inspection, never reused)."""
+    aside = f"{self.directory}-damaged"
+    os.makedirs(aside, exist_ok=True)
+    for step in steps:
+      dest = os.path.join(aside, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+      os.replace(os.path.join(self.directory, str(step)), dest)
+      self.log.write(f"[ckpt] moved damaged step {step} to {dest}\n")
+    self._mgr.reload()
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()

@@ -8,18 +8,33 @@ Unknown keys fail with the list of valid ones, so a typo never silently falls ba
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
 import yaml
 
+from train.errors import UserError
 
-class ConfigError(ValueError):
-  pass
+
+class ConfigError(UserError, ValueError):
+  """A config file, key or value that cannot be right; raised while loading, before any data or model work."""
 
 
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: 0 < v < math.inf, "a finite number > 0")
+_NON_NEGATIVE = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
+_FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
+_OPEN_FRACTION = (lambda v: 0 < v < 1, "in (0, 1)")
+_BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+DTYPES = ("bfloat16", "float32")
+SCHEDULES = ("cosine", "wsd")
+TOKENIZERS = ("byte", "gpt2", "sentencepiece")
+
+
+def _one_of(choices: typing.Sequence[str]) -> tuple[Any, str]:
+  return (lambda v: v in choices, f"one of {list(choices)}")
 
 
 def _check_counts(section: str, cfg: Any, rules: dict[str, tuple[Any, str]]) -> None:
@@ -43,6 +58,19 @@ class ModelConfig:
   dtype: str = "bfloat16"
   scan_layers: bool = False
 
+  def __post_init__(self):
+    from fp4jax.nn.llama import PRESETS, LlamaConfig  # pylint: disable=g-import-not-at-top
+    _check_counts("model", self, {"preset": _one_of(list(PRESETS)), "dtype": _one_of(DTYPES)})
+    valid = [f.name for f in dataclasses.fields(LlamaConfig)]
+    unknown = sorted(set(self.overrides) - set(valid))
+    if unknown:
+      raise ConfigError(f"unknown key(s) {['model.overrides.' + k for k in unknown]}; valid keys in "
+                        f"model.overrides: {valid}")
+    try:  # the model's own checks (dim a multiple of n_heads, ...) now rather than after tokenizing
+      LlamaConfig.preset(self.preset, **self.overrides)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"model.overrides={self.overrides}: {e}") from e
+
 
 @dataclasses.dataclass(frozen=True)
 class RulesConfig:
@@ -50,6 +78,14 @@ class RulesConfig:
   bf16_first: int = 0
   bf16_last: int = 0
   extra: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
+    _check_counts("rules", self, {"bf16_first": _AT_LEAST_0, "bf16_last": _AT_LEAST_0})
+    try:
+      RouteRules.parse(list(self.extra))  # checks each rule's form and route name
+    except ValueError as e:
+      raise ConfigError(f"rules.extra: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +102,10 @@ class DataConfig:
   workers: int = 0  # tokenizer processes; 0 = os.cpu_count()
 
   def __post_init__(self):
-    _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0})
+    _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0,
+                                 "eval_fraction": _OPEN_FRACTION, "tokenizer": _one_of(TOKENIZERS)})
+    if not self.sources:
+      raise ConfigError("data.sources is empty: name at least one file, glob or 'stdlib'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +122,10 @@ class OptimConfig:
   clip_norm: float = 1.0
 
   def __post_init__(self):
-    _check_counts("optim", self, {"warmup": _AT_LEAST_0})
+    _check_counts("optim", self, {
+        "lr": _POSITIVE, "min_lr_ratio": _FRACTION, "warmup": _AT_LEAST_0, "schedule": _one_of(SCHEDULES),
+        "decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"), "weight_decay": _NON_NEGATIVE, "b1": _BETA,
+        "b2": _BETA, "clip_norm": _POSITIVE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +145,11 @@ class RunConfig:
 
   def __post_init__(self):
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
-                                "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0})
+                                "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _AT_LEAST_0,
+                                "out_dir": (bool, "a directory path, not empty")})
+    if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
+      raise ConfigError(f"run.mesh={list(self.mesh)} must be two sizes [data, fsdp], each >= 1 or one of them -1 "
+                        f"(all the remaining devices)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +181,17 @@ class Config:
   optim: OptimConfig = OptimConfig()
   run: RunConfig = RunConfig()
   kernels: KernelConfig = KernelConfig()
+
+  def __post_init__(self):
+    _check_route("route", self.route)
+    for i, name in enumerate(self.run.routes):
+      _check_route(f"run.routes[{i}]", name)
+
+
+def _check_route(where: str, name: str) -> None:
+  from fp4jax import route as route_lib  # pylint: disable=g-import-not-at-top
+  if name not in route_lib.PRESETS:
+    raise ConfigError(f"{where}={name!r} is not a route; routes: {list(route_lib.PRESETS)}")
 
 
 def _convert(value: Any, tp: Any, where: str) -> Any:
@@ -201,7 +258,11 @@ def _set_dotted(raw: dict[str, Any], assignment: str) -> None:
   if "=" not in assignment:
     raise ConfigError(f"override {assignment!r} must look like key.sub=value")
   key, text = assignment.split("=", 1)
-  value = yaml.safe_load(text) if text.strip() else ""
+  try:
+    value = yaml.safe_load(text) if text.strip() else ""
+  except yaml.YAMLError as e:
+    raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); quote "
+                      f"lists as --set 'key=[a,b]'") from e
   parts = key.strip().split(".")
   node = raw
   for p in parts[:-1]:
@@ -222,8 +283,16 @@ def from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Conf
 def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
   raw: dict[str, Any] = {}
   if path:
-    with open(path) as f:
-      raw = yaml.safe_load(f) or {}
+    try:
+      with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    except OSError as e:
+      raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; see configs/ for examples") from e
+    except yaml.YAMLError as e:
+      mark = getattr(e, "problem_mark", None)
+      where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+      what = " ".join(str(getattr(e, "problem", None) or e).split())
+      raise ConfigError(f"{where}: malformed YAML ({what}); fix that line") from e
     if not isinstance(raw, dict):
       raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
   return from_dict(raw, overrides)

@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from train import tokenizers
+from train.errors import UserError
 
 _OPENERS = {".gz": gzip.open, ".xz": lzma.open}
 _DOC_OPEN = re.compile(r"^<doc [^>]*>\s*$", re.M)
@@ -45,7 +46,8 @@ def stdlib_files() -> list[str]:
   return sorted(out)
 
 
-def resolve_sources(sources: Sequence[str]) -> list[str]:
+def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list[str]:
+  """The files of `sources` in order; a source that matches no file, or only empty ones, is a UserError."""
   files: list[str] = []
   for s in sources:
     if s == "stdlib":
@@ -54,7 +56,11 @@ def resolve_sources(sources: Sequence[str]) -> list[str]:
       pattern = os.path.expanduser(s)
       found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not found:
-      raise FileNotFoundError(f"data source {s!r} matches no files")
+      raise UserError(f"{where}: {s!r} matches no files (relative paths start at {os.getcwd()}); fix the path "
+                      f"or glob")
+    if not any(os.path.getsize(p) for p in found):
+      what = found[0] if len(found) == 1 else f"all {len(found)} files of {s!r} (first: {found[0]})"
+      raise UserError(f"{where}: {what} is empty; fill it or remove it from {where}")
     files.extend(found)
   return files
 
@@ -140,13 +146,19 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
       n_tokens += arr.size
       done_bytes += os.path.getsize(files[i])
       dt = time.time() - t0
-      if log is not None and (i + 1 == len(files) or dt - shown > 0.5):
-        shown = dt
+      if log is not None and (i + 1 == len(files) or (log.isatty() and dt - shown > 0.5)):
+        shown = dt  # refreshed in place on a terminal; a log file gets the final count only
         log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
-                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s")
+                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
+                  f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, "
+                  f"{dt:.1f}s")
         log.flush()
+  if n_tokens == 0:
+    os.remove(tmp)
+    raise UserError(f"the data files hold no text ({len(files)} file(s), first: {files[0]}); point the sources at "
+                    f"non-empty files")
   if log is not None:
-    log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")
+    log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")  # ends the progress line
   os.replace(tmp, bin_path)
   with open(meta_path + ".tmp", "w") as f:
     json.dump({"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tok.name, "files": len(files)}, f)
@@ -174,8 +186,8 @@ class WindowIterator:
     self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
     self.n_windows = (len(tokens) - 1) // seq_len
     if self.n_windows < batch_size:
-      raise ValueError(f"{len(tokens)=} tokens give {self.n_windows} windows of {seq_len=}, fewer than "
-                       f"{batch_size=}")
+      raise UserError(f"the train split has {len(tokens):,} tokens: {self.n_windows} windows of data.seq_len="
+                      f"{seq_len}, fewer than data.batch_size={batch_size}; lower them or add data")
     self.position = position
     self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
 
@@ -208,8 +220,8 @@ class WindowIterator:
   def restore(self, state: dict[str, int]) -> None:
     for name in ("seed", "seq_len", "batch_size", "n_windows"):
       if name in state and int(state[name]) != getattr(self, name):  # older checkpoints hold seed only
-        raise ValueError(f"checkpointed data {name}={state[name]} != this run's {name}={getattr(self, name)}: "
-                         f"resuming would continue on different windows")
+        raise UserError(f"checkpointed data {name}={state[name]} != this run's {name}={getattr(self, name)}: "
+                        f"resuming would continue on different windows; use another run.out_dir")
     self.position = int(state["position"])
 
 
@@ -217,7 +229,9 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: i
   """The first n_batches * batch_size sequential windows of the held-out tokens (fewer if it is short)."""
   n = min(n_batches, ((len(tokens) - 1) // seq_len) // batch_size)
   if n <= 0:
-    raise ValueError(f"held-out split has {len(tokens)} tokens: not one batch of {batch_size}x{seq_len + 1}")
+    raise UserError(f"the held-out split has {len(tokens):,} tokens, not one batch of data.batch_size={batch_size} "
+                    f"x (data.seq_len={seq_len} + 1); raise data.eval_fraction, add data.eval_sources or lower "
+                    f"data.seq_len / data.batch_size")
   return [np.stack([np.asarray(tokens[s:s + seq_len + 1], np.int32)
                     for s in (b * batch_size + np.arange(batch_size)) * seq_len]) for b in range(n)]
 
@@ -226,12 +240,12 @@ def load_splits(data_cfg, *, log=sys.stderr) -> tuple[np.ndarray, np.ndarray, to
   """(train tokens, held-out tokens, tokenizer) for a `DataConfig`."""
   tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path)
 
-  def cached(sources):
-    return build_token_cache(resolve_sources(sources), data_cfg.tokenizer, data_cfg.tokenizer_path,
+  def cached(sources, where):
+    return build_token_cache(resolve_sources(sources, where), data_cfg.tokenizer, data_cfg.tokenizer_path,
                              data_cfg.cache_dir, workers=data_cfg.workers, log=log)
 
-  tokens = cached(data_cfg.sources)
+  tokens = cached(data_cfg.sources, "data.sources")
   if data_cfg.eval_sources:
-    return tokens, cached(data_cfg.eval_sources), tok
+    return tokens, cached(data_cfg.eval_sources, "data.eval_sources"), tok
   train, heldout = split_heldout(tokens, tok.eos_id, data_cfg.eval_fraction)
   return train, heldout, tok

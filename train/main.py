@@ -1,35 +1,58 @@
-"""`python -m train --config configs/cpu_compare.yaml [--set section.key=value ...]`."""
+"""`python -m train --config configs/cpu_compare.yaml [--set section.key=value ...] [--debug]`.
+
+Exit status: 0 when every route trained (or was already finished), 1 when a route diverged or failed, 2 for a
+mistake in the config, the data or the run directory (printed as one line; `--debug` adds its traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
+
+from train.errors import UserError
+
+EXIT_FAILED_RUN = 1
+EXIT_USER_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+  p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file (see configs/)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="dotted override, repeatable: --set optim.lr=1e-3 --set route=nvfp4")
+  p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/run-directory error too")
   args = p.parse_args(argv)
+  try:
+    return _run(args)
+  except UserError as e:
+    if args.debug:
+      traceback.print_exc()
+    print(f"{p.prog}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
+
+def _run(args: argparse.Namespace) -> int:
+  from train import config
+  cfg = config.load_config(args.config, args.set)  # every key and value checked before JAX starts
   import jax
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
-  from train import config, metrics, train
-
-  try:
-    cfg = config.load_config(args.config, args.set)
-  except config.ConfigError as e:
-    p.error(str(e))
+  from train import metrics, train
   try:
     rows = train.run_all(cfg)
   except train.NonFiniteLossError:
-    return 1
+    return EXIT_FAILED_RUN
+  failed = [r for r in rows if r.get("status") != "ok"]
   if jax.process_index() == 0:
     print(metrics.format_table(rows))
     out = os.path.abspath(cfg.run.out_dir)
-    print(f"outputs: {out} (loss plot: {os.path.join(out, 'loss.png')}, table: {os.path.join(out, 'table.md')})",
-          file=sys.stderr)
-  return 0
+    plot = os.path.join(out, "loss.png")
+    print(f"outputs: {out} (loss plot: {plot if os.path.exists(plot) else 'none'}, table: "
+          f"{os.path.join(out, 'table.md')})", file=sys.stderr)
+    if failed:
+      print(f"python -m train: {len(failed)} of {len(rows)} route(s) failed: "
+            f"{'; '.join(f'{r['route']} ({r['status']})' for r in failed)}", file=sys.stderr)
+  return EXIT_FAILED_RUN if failed else 0

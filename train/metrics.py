@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, Sequence, TextIO
 
-from train import tbevents
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 def _fmt_duration(s: float) -> str:
@@ -18,42 +19,51 @@ def _fmt_duration(s: float) -> str:
 
 
 class ProgressBar:
-  """`\\r`-refreshed line: [route] step/total, loss, tok/s, elapsed and ETA (no tqdm dependency)."""
+  """[route] step/total, loss, tok/s, elapsed and ETA on stderr (no tqdm dependency).
 
-  def __init__(self, total: int, label: str, *, stream: TextIO = sys.stderr, enabled: bool = True):
-    self.total, self.label, self.stream, self.enabled = total, label, stream, enabled
+  On a terminal one line refreshed in place with `\\r` at every step; otherwise (a log file, a pipe) a plain line
+  every `every` steps and at the last one, so logs hold one readable line per report.
+  """
+
+  def __init__(self, total: int, label: str, *, stream: TextIO = sys.stderr, enabled: bool = True, every: int = 1):
+    self.total, self.label, self.stream, self.enabled, self.every = total, label, stream, enabled, every
+    self.tty = stream.isatty()
     self.t0 = time.time()
 
   def update(self, step: int, loss: float, tokens_per_s: float, eta_s: float | None) -> None:
-    if not self.enabled:
+    if not self.enabled or (not self.tty and step % self.every and step != self.total):
       return
     width = 20
     done = int(width * step / max(self.total, 1))
     eta = _fmt_duration(eta_s) if eta_s is not None else "?"
-    self.stream.write(f"\r[{self.label}] |{'#' * done}{'.' * (width - done)}| {step}/{self.total} "
-                      f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s {_fmt_duration(time.time() - self.t0)}"
-                      f" eta {eta}   ")
+    line = (f"[{self.label}] |{'#' * done}{'.' * (width - done)}| {step}/{self.total} loss {loss:.4f} "
+            f"{tokens_per_s:,.0f} tok/s {_fmt_duration(time.time() - self.t0)} eta {eta}")
+    self.stream.write(f"\r{line}   " if self.tty else f"{line}\n")
     self.stream.flush()
 
   def close(self) -> None:
-    if self.enabled:
+    if self.enabled and self.tty:
       self.stream.write("\n")
       self.stream.flush()
 
 
 class MetricsLogger:
-  """Appends {"step", "kind", ...} records to metrics.jsonl and the same scalars to a TensorBoard file."""
+  """Appends {"step", "kind", "route", ...} records to metrics.jsonl and the same scalars to a TensorBoard event file
+  (tensorboard's own writer: its TFRecord framing and protos, no TensorFlow needed)."""
 
-  def __init__(self, out_dir: str):
+  def __init__(self, out_dir: str, route: str):
+    self.route = route
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     self._jsonl = open(self.jsonl_path, "a")
-    self._tb = tbevents.EventWriter(os.path.join(out_dir, "tb"))
+    self._tb = EventFileWriter(os.path.join(out_dir, "tb"))
 
   def log(self, step: int, kind: str, values: dict[str, float]) -> None:
-    self._jsonl.write(json.dumps({"step": step, "kind": kind, **values}) + "\n")
+    self._jsonl.write(json.dumps({"step": step, "kind": kind, "route": self.route, **values}) + "\n")
     self._jsonl.flush()
-    self._tb.scalars(step, {f"{kind}/{k}": v for k, v in values.items()})
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=f"{kind}/{k}", simple_value=v)
+                                         for k, v in values.items()])
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
     self._tb.flush()
 
   def close(self) -> None:
@@ -72,8 +82,13 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
 
 
-def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> None:
-  """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records."""
+def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> bool:
+  """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records.
+
+  Returns whether it wrote one: with no point to draw (every route failed before logging) it writes nothing.
+  """
+  if not any(r["kind"] in ("train", "eval") for records in curves.values() for r in records):
+    return False
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -95,6 +110,7 @@ def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str =
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return True
 
 
 TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "first step",

@@ -15,6 +15,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from train.errors import UserError
+
 
 class Tokenizer(Protocol):
   name: str
@@ -95,7 +97,7 @@ class GPT2Tokenizer:
     enc_json, bpe = os.path.join(path, "encoder.json"), os.path.join(path, "vocab.bpe")
     for p in (enc_json, bpe):
       if not os.path.isfile(p):
-        raise FileNotFoundError(f"GPT-2 tokenizer needs {p} (set data.tokenizer_path to the directory)")
+        raise UserError(f"GPT-2 tokenizer needs {p} (set data.tokenizer_path to the directory)")
     with _no_tiktoken_cache():
       ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=bpe, encoder_json_file=enc_json)
     self.eos_id = len(ranks)  # 50256
@@ -121,15 +123,15 @@ class SentencePieceTokenizer:
     try:
       import sentencepiece
     except ImportError:
-      raise ImportError("data.tokenizer=sentencepiece needs the `sentencepiece` package "
+      raise UserError("data.tokenizer=sentencepiece needs the `sentencepiece` package "
                         "(pip install sentencepiece); it is not a default dependency") from None
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"SentencePiece model {path!r} not found (set data.tokenizer_path)")
+      raise UserError(f"SentencePiece model {path!r} not found (set data.tokenizer_path)")
     self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     self.vocab_size = self._sp.get_piece_size()
     self.eos_id = self._sp.eos_id()
     if not 0 <= self.eos_id < self.vocab_size:  # SentencePiece says -1 when the model has no eos piece
-      raise ValueError(f"SentencePiece model {path!r} has no end-of-document piece (eos_id={self.eos_id}); "
+      raise UserError(f"SentencePiece model {path!r} has no end-of-document piece (eos_id={self.eos_id}); "
                        f"documents are joined with eos, so it needs one")
     self.name = f"sp-{_file_digest(path)}"
 
@@ -152,5 +154,5 @@ _TOKENIZERS: dict[str, Callable[[str], Tokenizer]] = {
 
 def get_tokenizer(kind: str, path: str = "") -> Tokenizer:
   if kind not in _TOKENIZERS:
-    raise ValueError(f"unknown tokenizer {kind=}; valid: {sorted(_TOKENIZERS)}")
+    raise UserError(f"unknown tokenizer {kind=}; valid: {sorted(_TOKENIZERS)}")
   return _TOKENIZERS[kind](path)

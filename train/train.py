@@ -13,7 +13,8 @@ uninterrupted one; the data position is checkpointed with the state.
 Non-finite guard without a per-step host sync: step t's loss is read after step t+1 is dispatched, so the
 device never waits on the host; before an eval or a checkpoint the latest loss is read synchronously and the
 whole state checked finite (a finite loss says nothing of the update that followed it), so a NaN/inf state is
-never saved and the run stops naming the step.
+never saved and the run stops naming the step. Steps are 1-based everywhere (messages, metrics, checkpoints,
+the table): step N is the N-th optimizer update, and checkpoint N holds the state after it.
 
 Multi-host (documented, untested here): launch one process per host with the usual JAX env
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM/TPU environment) and set
@@ -43,10 +44,12 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import checkpoint, config as config_lib, data, metrics
+from train import checkpoint, config as config_lib, data, lock, metrics, tokenizers
+from train.errors import UserError
 
 MESH_AXES = ("data", "fsdp")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+assert set(DTYPES) == set(config_lib.DTYPES)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -57,12 +60,13 @@ def make_mesh(shape: tuple[int, ...], devices: list[Any] | None = None) -> Mesh:
   """A ("data", "fsdp") mesh over `devices` (default all); one entry of `shape` may be -1 (the rest)."""
   devices = jax.devices() if devices is None else devices
   if len(shape) != 2:
-    raise ValueError(f"run.mesh={shape} must have two entries (data, fsdp)")
+    raise UserError(f"run.mesh={list(shape)} must have two entries (data, fsdp)")
   n = len(devices)
   known = math.prod(s for s in shape if s != -1)
   dims = tuple(n // known if s == -1 else s for s in shape)
   if math.prod(dims) != n:
-    raise ValueError(f"run.mesh={shape} does not cover the {n} devices (resolved to {dims})")
+    raise UserError(f"run.mesh={list(shape)} does not cover the {n} device(s) (resolved to {list(dims)}); use sizes "
+                    f"whose product is {n}, e.g. [-1, 1]")
   return Mesh(np.asarray(devices).reshape(dims), MESH_AXES)
 
 
@@ -75,8 +79,41 @@ def llama_config(cfg: config_lib.Config, vocab_size: int):
   if preset.max_seq_len < cfg.data.seq_len:
     preset = dataclasses.replace(preset, max_seq_len=cfg.data.seq_len)
   if preset.vocab_size < vocab_size:
-    raise ValueError(f"model vocab_size={preset.vocab_size} < tokenizer vocab_size={vocab_size}")
+    raise UserError(f"model.overrides.vocab_size={preset.vocab_size} < the tokenizer's vocab_size={vocab_size}; "
+                    f"drop the override (the tokenizer's size, padded, is the default) or raise it")
   return preset
+
+
+def route_configs(cfg: config_lib.Config) -> list[tuple[str, config_lib.Config]]:
+  """(route, its run's config) for each route: compare mode (run.routes set) puts each in out_dir/<route>/."""
+  if not cfg.run.routes:
+    return [(cfg.route, cfg)]
+  return [(name, config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)}))
+          for name in cfg.run.routes]
+
+
+def check_mesh(cfg: config_lib.Config) -> Mesh:
+  """The run's mesh; fails if it does not fit the devices or the batch does not split over it."""
+  mesh = make_mesh(cfg.run.mesh)
+  if cfg.data.batch_size % mesh.size:
+    raise UserError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices of "
+                    f"run.mesh={list(cfg.run.mesh)}")
+  return mesh
+
+
+def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
+  """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
+  the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files.
+  (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
+  tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+  lcfg = llama_config(cfg, tok.vocab_size)
+  for _, sub in route_configs(cfg):
+    route_rules(sub, lcfg.n_layers)
+  check_mesh(cfg)
+  data.resolve_sources(cfg.data.sources, "data.sources")
+  if cfg.data.eval_sources:
+    data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
+  return tok
 
 
 def route_rules(cfg: config_lib.Config, n_layers: int):
@@ -134,8 +171,6 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   lcfg = llama_config(cfg, vocab_size)
   rules = route_rules(cfg, lcfg.n_layers)
   tx = make_tx(cfg.optim, cfg.run.steps)
-  if cfg.model.dtype not in DTYPES:
-    raise ValueError(f"model.dtype={cfg.model.dtype!r}; valid: {list(DTYPES)}")
   impl = cfg.kernels.impl()
 
   def create():
@@ -222,11 +257,10 @@ class _StepRecorder:
       self._pause_s += time.time() - t0
 
   def record(self, step: int, loss: jax.Array, gnorm: jax.Array) -> None:
+    """Checks and logs the loss of `step` (1-based: the step-th optimizer update, as checkpoints count)."""
     value = float(loss)  # blocks until the step has run
     if not math.isfinite(value):
-      raise NonFiniteLossError(
-          f"[{self.label}] loss is {value} at step {step}; stopped. Last good checkpoint: step "
-          f"{self.ckpt.latest_step()} in {self.ckpt.directory}")
+      raise NonFiniteLossError(f"[{self.label}] loss is {value} at step {step}; stopped. {last_good(self.ckpt)}")
     now = time.time()
     if self._t_first is None:
       self._t_first, self._pause_s = now, 0.0
@@ -236,54 +270,60 @@ class _StepRecorder:
       self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
     self.losses[step] = value
     self._window.append(value)
-    done, total = step + 1, self.cfg.run.steps
-    eta = (total - done) * self.tokens_per_step / self.rate if self.rate else None
-    self.bar.update(done, value, self.rate, eta)
-    if self.log and (done % self.cfg.run.log_every == 0 or done == total):
-      self.log.log(done, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
-                                   "tokens_per_s": self.rate, "lr": float(self.schedule(step))})
+    total = self.cfg.run.steps
+    eta = (total - step) * self.tokens_per_step / self.rate if self.rate else None
+    self.bar.update(step, value, self.rate, eta)
+    if self.log and (step % self.cfg.run.log_every == 0 or step == total):
+      self.log.log(step, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
+                                   "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
+
+
+def last_good(ckpt: checkpoint.Checkpointer) -> str:
+  """The divergence message's tail: the newest checkpoint to go back to, if any."""
+  step = ckpt.latest_step()
+  if step is None:
+    return f"No checkpoint was saved yet in {ckpt.directory}."
+  return f"Last good checkpoint: step {step} in {ckpt.directory}"
 
 
 def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
         *, label: str | None = None) -> dict[str, Any]:
-  """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}."""
+  """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}, steps 1-based."""
   r = cfg.run
   label = label or cfg.route
   lead = jax.process_index() == 0
+  saved = check_out_dir(cfg)
+  if saved is not None:
+    if lead:
+      print(f"[{label}] finished earlier: reporting {os.path.join(r.out_dir, RESULT_FILE)} (use another run.out_dir "
+            f"to train again)", file=sys.stderr)
+    return {**saved, "losses": {}}
   os.makedirs(r.out_dir, exist_ok=True)
   if lead:
     with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
-  mesh = make_mesh(r.mesh)
-  if cfg.data.batch_size % mesh.size:
-    raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices")
-  ts = init_train_state(cfg, vocab_size, mesh)
-  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)
+  mesh = check_mesh(cfg)
+  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)  # checks sizes first
   eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
+  ts = init_train_state(cfg, vocab_size, mesh)
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
   start, latest = 0, ckpt.latest_step()
-  if latest is not None and (not r.resume or latest > r.steps):
-    ckpt.close()
-    why = "run.resume=false" if not r.resume else f"it is past run.steps={r.steps}"
-    raise ValueError(f"{ckpt.directory} holds a checkpoint at step {latest} but {why}: use another run.out_dir "
-                     f"or delete it")
   if latest is not None:
     ts.state, data_state, start = ckpt.restore(ts.state)
     it.restore(data_state)
-  log = metrics.MetricsLogger(r.out_dir) if lead else None
-  bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead)
+  log = metrics.MetricsLogger(r.out_dir, label) if lead else None
+  bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
   eval_loss = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   try:
-    for step in range(start, r.steps):
+    for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
       batch = to_global(next(it), ts.batch_sharding)
-      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(step))
+      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
       if pending:  # the previous step's loss, read while this step runs: no device idle time
         rec.record(*pending)
-      pending = (step, loss, gnorm)
-      done = step + 1
+      pending = (done, loss, gnorm)
       do_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
       do_ckpt = (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps
       if do_eval or do_ckpt:
@@ -298,8 +338,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
         with rec.paused():
           if not bool(ts.all_finite(ts.state)):  # a finite loss does not prove the update after it finite
             raise NonFiniteLossError(
-                f"[{label}] state is non-finite after step {step} (whose loss was finite); stopped before "
-                f"saving it. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+                f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
+                f"saving it. {last_good(ckpt)}")
           ckpt.save(done, ts.state, it.state())
   finally:
     bar.close()
@@ -317,28 +357,92 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
     metrics.plot_losses(curves, os.path.join(r.out_dir, "loss.png"), title=label)
+    _write_json(os.path.join(r.out_dir, RESULT_FILE), row)  # a rerun reports this instead of re-deriving it
   return {**row, "losses": rec.losses}
+
+
+def _write_json(path: str, obj: Any) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + ".tmp", path)  # never a half-written file
+
+
+RESULT_FILE = "result.json"
+# Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
+# left to check_out_dir (more steps continue the run, fewer cannot).
+_RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
+                           "progress"},
+                   "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
+
+
+def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """'key: saved -> now' for every result-relevant setting that differs between two `config_lib.to_dict` trees."""
+  out = []
+  for section, value in now.items():
+    old = saved.get(section)
+    if not isinstance(value, dict):
+      out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
+      continue
+    old = old if isinstance(old, dict) else {}
+    out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
+            if k not in _RESULT_NEUTRAL.get(section, ()) and old.get(k) != v]
+  return out
+
+
+def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
+  """The saved result row when run.out_dir holds this run finished, else None (train, from its checkpoint if any).
+
+  Fails with a UserError, before any work, when the checkpoint there cannot continue this config: run.resume is
+  false, a result-relevant setting differs from the run that wrote it, or it is past run.steps.
+  """
+  r = cfg.run
+  steps = checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))
+  if not steps:
+    return None
+  held = f"{r.out_dir} holds a run checkpointed at step {steps[-1]}"
+  if not r.resume:
+    raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
+  saved_cfg = os.path.join(r.out_dir, "config.yaml")
+  if os.path.exists(saved_cfg):
+    with open(saved_cfg) as f:
+      changed = _changed_settings(yaml.safe_load(f) or {}, config_lib.to_dict(cfg))
+    if changed:
+      raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
+                      f"settings")
+  if steps[-1] > r.steps:
+    raise UserError(f"{held}, past run.steps={r.steps}: use another run.out_dir for a shorter run")
+  result = os.path.join(r.out_dir, RESULT_FILE)
+  if steps[-1] == r.steps and os.path.exists(result):
+    with open(result) as f:
+      return json.load(f)
+  return None
 
 
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   """One run per route of `run.routes` (compare mode, out_dir/<route>/) or of `route`; shared data.
 
   Writes out_dir/table.md, out_dir/summary.json and (compare mode) out_dir/loss.png with every curve. A
-  route whose loss goes non-finite gets a row with that status; compare mode then goes on to the next route.
+  route whose loss goes non-finite gets a row with that status (not "ok"); compare mode then goes on to the next
+  route, and the caller decides the exit status from the rows. A route already finished in its out_dir with the
+  same settings is not trained again: its saved result.json row is reported. The config is checked in full first,
+  then out_dir is locked for the whole call (`train.lock.RunLock`).
   """
   log = sys.stderr if log is None else log
-  from fp4jax import route as route_lib
+  preflight(cfg)
+  with lock.RunLock(cfg.run.out_dir, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+    for _, sub in route_configs(cfg):  # under the lock: what a running job writes there is not yet final
+      check_out_dir(sub)
+    return _run_routes(cfg, log)
+
+
+def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
   compare = bool(cfg.run.routes)
   routes = cfg.run.routes or (cfg.route,)
-  for name in routes:
-    route_lib.get(name)  # fail before tokenizing if a name is wrong
   train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
   rows = []
-  for name in routes:
-    sub = config_lib.replace(cfg, route=name, run={"out_dir": os.path.join(cfg.run.out_dir, name)} if compare
-                             else {})
+  for name, sub in route_configs(cfg):
     try:
       rows.append(run(sub, train_tokens, eval_tokens, tok.vocab_size, label=name))
     except NonFiniteLossError as e:
@@ -352,10 +456,11 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
     table = metrics.format_table(rows)
     with open(os.path.join(cfg.run.out_dir, "table.md"), "w") as f:
       f.write(table + "\n")
-    with open(os.path.join(cfg.run.out_dir, "summary.json"), "w") as f:
-      json.dump([{k: v for k, v in r.items() if k != "losses"} for r in rows], f, indent=1)
+    _write_json(os.path.join(cfg.run.out_dir, "summary.json"), [{k: v for k, v in r.items() if k != "losses"}
+                                                                 for r in rows])
     if compare:
       curves = {name: metrics.read_jsonl(p) for name in routes
                 if os.path.exists(p := os.path.join(cfg.run.out_dir, name, "metrics.jsonl"))}
-      metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared")
+      if not metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared"):
+        log.write("[train] no loss curve to plot: no route logged a step\n")
   return rows

@@ -18,8 +18,8 @@ def test_yaml_and_overrides(tmp_path):
   path = _write(tmp_path, "model: {preset: 30m, overrides: {n_layers: 2}}\nroute: mxfp4\n"
                           "data: {seq_len: 64, sources: [a.txt, 'b/*.xz']}\nrun: {routes: [bf16, nvfp4]}\n")
   cfg = config.load_config(path, ["optim.lr=1e-3", "route=nvfp4", "run.mesh=[2,4]", "data.batch_size=32",
-                                  "model.overrides.dim=256", "run.resume=false", "rules.extra=[lm_head=bf16]"])
-  assert cfg.model.preset == "30m" and cfg.model.overrides == {"n_layers": 2, "dim": 256}
+                                  "model.overrides.dim=384", "run.resume=false", "rules.extra=[lm_head=bf16]"])
+  assert cfg.model.preset == "30m" and cfg.model.overrides == {"n_layers": 2, "dim": 384}
   assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads "1e-3" as a string
   assert cfg.route == "nvfp4"
   assert cfg.data.sources == ("a.txt", "b/*.xz") and cfg.data.seq_len == 64 and cfg.data.batch_size == 32
@@ -61,13 +61,6 @@ def test_shipped_configs_resolve():
     for route in cfg.run.routes or (cfg.route,):
       train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
     assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
-
-
-def test_cli_rejects_bad_override(capsys):
-  from train.main import main
-  with pytest.raises(SystemExit) as e:
-    main(["--config", "configs/cpu_compare.yaml", "--set", "optim.lrr=1"])
-  assert e.value.code == 2 and "unknown key(s) ['optim.lrr']" in capsys.readouterr().err
 
 
 def test_kernels_section_reaches_every_linear():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from train import config, data
+from train.errors import UserError
 
 
 def _corpus(tmp_path):
@@ -24,8 +25,11 @@ def test_documents_and_sources(tmp_path):
   assert data.read_documents(files[1]) == ["gzip file two\n"]
   assert data.read_documents(files[2]) == ["T1\n\nBody one.", "T2"]
   assert data.resolve_sources([str(tmp_path / "*.txt*"), files[2]]) == files
-  with pytest.raises(FileNotFoundError, match="matches no files"):
+  with pytest.raises(UserError, match=r"data.sources: '.*\*.md' matches no files .*; fix the path or glob"):
     data.resolve_sources([str(tmp_path / "*.md")])
+  (tmp_path / "empty.txt").write_text("")
+  with pytest.raises(UserError, match=r"data.sources: .*empty.txt is empty; fill it or remove it"):
+    data.resolve_sources([str(tmp_path / "empty.txt")])  # was "cannot mmap an empty file" after tokenizing
   std = data.stdlib_files()
   assert std == sorted(std) and any(p.endswith("/os.py") for p in std)
   assert not any("-packages" in p for p in std)
@@ -78,7 +82,7 @@ def test_iterator_deterministic_and_resumable():
     np.testing.assert_array_equal(next(c), want)
   other = data.WindowIterator(toks, seq_len=10, batch_size=7, seed=4)
   assert not np.array_equal(next(other), batches[0])
-  with pytest.raises(ValueError, match="seed"):
+  with pytest.raises(UserError, match="seed"):
     other.restore(state)
 
 
@@ -92,7 +96,7 @@ def test_restore_rejects_a_different_window_layout(changed, match):
   a = data.WindowIterator(np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3)
   next(a)
   kwargs = dict(tokens=np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3) | changed
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(UserError, match=match):
     data.WindowIterator(**kwargs).restore(a.state())
   legacy = {"position": 1, "seed": 3}  # checkpoints written before the layout was recorded
   b = data.WindowIterator(np.arange(1000, dtype=np.uint16), seq_len=10, batch_size=7, seed=3)
@@ -107,5 +111,5 @@ def test_load_splits_with_eval_file(tmp_path):
   assert tok.name == "byte" and len(train) == 31 and held[-1] == tok.eos_id
   assert len(data.eval_windows(np.arange(100), 9, 2, 3)) == 3
   for n in (10, 0):
-    with pytest.raises(ValueError, match="not one batch"):
+    with pytest.raises(UserError, match="not one batch"):
       data.eval_windows(np.arange(n), 9, 2, 3)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from train import tokenizers
+from train.errors import UserError
 
 SHARED = os.environ.get("FP4JAX_SHARED_DATA",
                         os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
@@ -43,7 +44,7 @@ def test_sentencepiece():
   try:
     import sentencepiece  # noqa: F401
   except ImportError:
-    with pytest.raises(ImportError, match="pip install sentencepiece"):
+    with pytest.raises(UserError, match="pip install sentencepiece"):
       tokenizers.get_tokenizer("sentencepiece", SP_MODEL)
     return
   if not os.path.isfile(SP_MODEL):
@@ -72,10 +73,10 @@ def test_sentencepiece_without_eos_is_rejected(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "sentencepiece", types.SimpleNamespace(SentencePieceProcessor=NoEosProcessor))
   model = tmp_path / "no_eos.model"
   model.write_bytes(b"model")
-  with pytest.raises(ValueError, match=r"no_eos.model' has no end-of-document piece \(eos_id=-1\)"):
+  with pytest.raises(UserError, match=r"no_eos.model' has no end-of-document piece \(eos_id=-1\)"):
     tokenizers.get_tokenizer("sentencepiece", str(model))
 
 
 def test_unknown_kind():
-  with pytest.raises(ValueError, match=r"unknown tokenizer kind='bpe'.*'byte'"):
+  with pytest.raises(UserError, match=r"unknown tokenizer kind='bpe'.*'byte'"):
     tokenizers.get_tokenizer("bpe")

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import checkpoint, config, tbevents, train
+from train import checkpoint, config, metrics, train
+from train.errors import UserError
+from train.main import EXIT_FAILED_RUN, main
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
 TOKENS = np.frombuffer(TEXT, np.uint8).astype(np.uint16)
@@ -31,24 +33,27 @@ def tiny_cfg(tmp_path, *overrides):
 def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   cfg = tiny_cfg(tmp_path, "run.ckpt_every=4")
   full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  losses = [full["losses"][s] for s in range(8)]
+  assert sorted(full["losses"]) == list(range(1, 9))  # 1-based, as the checkpoints count
+  losses = [full["losses"][s] for s in range(1, 9)]
   assert losses[-1] < losses[0] - 1.0, losses
   out = cfg.run.out_dir
   assert os.path.exists(os.path.join(out, "loss.png")) and os.path.exists(os.path.join(out, "config.yaml"))
-  (tb_file,) = os.listdir(os.path.join(out, "tb"))
-  assert [s for s, _ in tbevents.read_scalars(os.path.join(out, "tb", tb_file))["train/loss"]] == list(range(1, 9))
+  assert [r["step"] for r in metrics.read_jsonl(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"] == \
+      list(range(1, 9))
 
   # An interrupted run: the same run directory holding only the step-4 checkpoint.
   resumed_dir = tmp_path / "resumed"
   shutil.copytree(os.path.join(out, "ckpt"), resumed_dir / "ckpt")
   shutil.rmtree(resumed_dir / "ckpt" / "8")
   resumed = train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}), TOKENS, TOKENS[:2000], 257)
-  assert sorted(resumed["losses"]) == [4, 5, 6, 7]
-  for s in range(4, 8):
+  assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+  for s in range(5, 9):
     assert resumed["losses"][s] == full["losses"][s], s  # bit-identical, not approximately equal
   assert resumed["eval_loss"] == full["eval_loss"]
-  with pytest.raises(ValueError, match="checkpoint at step 8 but it is past run.steps=6"):
+  with pytest.raises(UserError, match=r"holds a run checkpointed at step 8, past run.steps=6: use another run.out_dir"):
     train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
+  with pytest.raises(UserError, match=r"with other settings \(optim.lr: 0.01 -> 0.02\): use another run.out_dir"):
+    train.run(config.replace(cfg, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
 
 
 def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
@@ -72,43 +77,73 @@ def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
   return dispatched
 
 
-@pytest.mark.parametrize("ckpt_every,last_good", [(1, "3"), (0, "None")])
+@pytest.mark.parametrize("ckpt_every,last_good", [(1, "Last good checkpoint: step 3 in .*ckpt"),
+                                                   (0, "No checkpoint was saved yet in .*ckpt")])
 def test_non_finite_loss_stops_with_message(tmp_path, monkeypatch, ckpt_every, last_good):
-  dispatched = _nan_loss_at(monkeypatch, 3)
+  dispatched = _nan_loss_at(monkeypatch, 3)  # the 4th update's loss (its PRNG step index is 3)
   cfg = tiny_cfg(tmp_path, f"run.ckpt_every={ckpt_every}")
-  with pytest.raises(train.NonFiniteLossError,
-                     match=rf"loss is nan at step 3; stopped. Last good checkpoint: step {last_good} in .*ckpt"):
+  with pytest.raises(train.NonFiniteLossError, match=rf"loss is nan at step 4; stopped. {last_good}"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  # Saving after step 3 checks its loss first; otherwise it is read once step 4 runs (no per-step sync).
+  # Saving after step 4 checks its loss first; otherwise it is read once step 5 runs (no per-step sync).
   assert dispatched == ([0, 1, 2, 3] if ckpt_every else [0, 1, 2, 3, 4])
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == (3 if ckpt_every
                                                                                             else None)
 
 
-def test_non_finite_state_is_never_checkpointed(tmp_path):
-  # lr=nan: step 0's loss is finite (initial params) but its update makes every parameter NaN.
-  cfg = tiny_cfg(tmp_path, "optim.lr=nan", "optim.warmup=0", "run.ckpt_every=1")
+def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
+  # lr=1e30: the first update leaves finite (huge) parameters, the second overflows them while its loss, computed
+  # before it, is still finite. Steps count updates from 1, as checkpoints do: checkpoint 1 is the last finite one.
+  cfg = tiny_cfg(tmp_path, "optim.lr=1e30", "optim.warmup=0", "run.ckpt_every=1")
   with pytest.raises(train.NonFiniteLossError,
-                     match=r"state is non-finite after step 0 .*stopped before saving it. Last good checkpoint: "
-                           r"step None in .*ckpt"):
+                     match=r"state is non-finite after step 2 \(whose loss was finite\); stopped before saving it. "
+                           r"Last good checkpoint: step 1 in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
-  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() is None
+  assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
 
 
-def test_compare_mode_writes_table_and_plot(tmp_path):
+def _corpus_cfg(tmp_path, *overrides):
   corpus = tmp_path / "corpus.txt"
   corpus.write_bytes(TEXT)
-  cfg = tiny_cfg(tmp_path, f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
-                 "data.eval_fraction=0.1", "run.steps=3", "run.routes=[bf16, mxfp4]")
+  return tiny_cfg(tmp_path, f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1",
+                  "data.eval_fraction=0.1", *overrides)
+
+
+def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, monkeypatch):
+  cfg = _corpus_cfg(tmp_path, "run.steps=3", "run.routes=[bf16, mxfp4]")
   rows = train.run_all(cfg)
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"] and all(r["status"] == "ok" for r in rows)
   out = cfg.run.out_dir
   table = open(os.path.join(out, "table.md")).read()
-  assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table
+  assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table and "n/a" not in table
   assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert summary[1]["route"] == "mxfp4" and summary[1]["eval_loss"] > 0
-  assert os.path.exists(os.path.join(out, "mxfp4", "metrics.jsonl"))
+  records = metrics.read_jsonl(os.path.join(out, "mxfp4", "metrics.jsonl"))
+  assert records and {r["route"] for r in records} == {"mxfp4"}
+
+  # A rerun of the finished runs reports their saved results (no training, nothing lost) ...
+  monkeypatch.setattr(train, "init_train_state", lambda *a, **k: pytest.fail("a finished run was trained again"))
+  assert [r["train_loss"] for r in train.run_all(cfg)] == [r["train_loss"] for r in rows]
+  assert open(os.path.join(out, "table.md")).read() == table
+  assert json.load(open(os.path.join(out, "summary.json"))) == summary
+  # ... and a shorter one stops before any work with one line, leaving them as they were.
+  with pytest.raises(UserError, match=r"bf16 holds a run checkpointed at step 3, past run.steps=2"):
+    train.run_all(config.replace(cfg, run={"steps": 2, "routes": ("bf16", "nvfp4")}))
+  assert open(os.path.join(out, "table.md")).read() == table
+
+
+def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
+  def diverge(cfg, *args, label=None):
+    raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
+  monkeypatch.setattr(train, "run", diverge)
+  cfg = _corpus_cfg(tmp_path)
+  assert main(["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"data.cache_dir={cfg.data.cache_dir}",
+               "--set", "data.eval_fraction=0.1", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
+               "--set", f"run.out_dir={cfg.run.out_dir}", "--set", "run.routes=[bf16, mxfp4]"]) == EXIT_FAILED_RUN
+  err = capsys.readouterr().err
+  assert ("python -m train: 2 of 2 route(s) failed: bf16 (loss is nan at step 2); mxfp4 (loss is nan at step 2)"
+          in err), err
+  assert "loss plot: none" in err and not os.path.exists(os.path.join(cfg.run.out_dir, "loss.png"))
 
 
 _SHARDED = textwrap.dedent("""
@@ -165,5 +200,5 @@ def test_lr_schedules():
   cos = train.lr_schedule(config.replace(config.Config(), optim={"lr": 1.0, "warmup": 10, "min_lr_ratio": 0.1}
                                          ).optim, 100)
   np.testing.assert_allclose([cos(10), cos(55), cos(100)], [1.0, 0.55, 0.1], atol=1e-6)
-  with pytest.raises(ValueError, match="valid: \\['cosine', 'wsd'\\]"):
+  with pytest.raises(config.ConfigError, match=r"optim.schedule='linear' must be one of \['cosine', 'wsd'\]"):
     train.lr_schedule(config.OptimConfig(schedule="linear"), 10)

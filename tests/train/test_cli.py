@@ -1,0 +1,79 @@
+"""`python -m train`: a user's mistake is one line on stderr and exit status 2, checked before any data work."""
+
+from __future__ import annotations
+
+import pytest
+
+from train import data
+from train.main import EXIT_USER_ERROR, main
+
+
+@pytest.fixture(name="no_data_work")
+def _no_data_work(monkeypatch):
+  """Fails the test if a run gets as far as tokenizing: every config check must come first."""
+  def forbidden(*args, **kwargs):
+    raise AssertionError("load_splits called before the config was fully checked")
+  monkeypatch.setattr(data, "load_splits", forbidden)
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+  assert main(argv) == EXIT_USER_ERROR
+  lines = capsys.readouterr().err.strip().splitlines()  # progress lines may come before the error
+  assert not any("Traceback" in l for l in lines), lines
+  assert [l for l in lines if "error" in l] == lines[-1:] and lines[-1].startswith("python -m train: error: ")
+  return lines[-1]
+
+
+def _args(tmp_path, *sets: str) -> list[str]:
+  out = ["--config", "configs/cpu_compare.yaml", "--set", f"run.out_dir={tmp_path / 'run'}"]
+  for s in sets:
+    out += ["--set", s]
+  return out
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["route=nvfp5", "run.routes=[]"], "route='nvfp5' is not a route; routes: ['bf16', 'mxfp4'"),
+    (["run.routes=[bf16, mxfp5]"], "run.routes[1]='mxfp5' is not a route"),
+    (["optim.lr=-1e-3"], "optim.lr=-0.001 must be a finite number > 0"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a finite number >= 0"),
+    (["optim.b2=1.5"], "optim.b2=1.5 must be in [0, 1)"),
+    (["data.eval_fraction=0"], "data.eval_fraction=0.0 must be in (0, 1)"),
+    (["model.overrides.dimm=64"], "unknown key(s) ['model.overrides.dimm']; valid keys in model.overrides: "
+                                  "['vocab_size', 'dim', "),
+    (["model.preset=tiniest"], "model.preset='tiniest' must be one of ['tiny',"),
+    (["model.dtype=fp16"], "model.dtype='fp16' must be one of ['bfloat16', 'float32']"),
+    (["optim.schedule=linear"], "optim.schedule='linear' must be one of ['cosine', 'wsd']"),
+    (["data.sources=[/nonexistent/*.txt]"], "data.sources: '/nonexistent/*.txt' matches no files"),
+    (["run.mesh=[3, 1]"], "run.mesh=[3, 1] does not cover the 1 device(s)"),
+    (["optim.lrr=1"], "unknown key(s) ['optim.lrr']"),
+])
+def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_data_work, sets, match):
+  assert match in _error_line(capsys, _args(tmp_path, *sets))
+
+
+def test_config_file_mistakes(tmp_path, capsys):
+  assert "cannot read config file 'nope.yaml': No such file or directory" in _error_line(
+      capsys, ["--config", "nope.yaml"])
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("model: {preset: tiny\nroute: bf16\n")
+  assert f"{bad}:2:6: malformed YAML (expected ',' or '}}', but got ':'); fix that line" in _error_line(
+      capsys, ["--config", str(bad)])
+
+
+def test_data_mistakes(tmp_path, capsys):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  assert f"data.sources: {empty} is empty; fill it or remove it from data.sources" in _error_line(
+      capsys, _args(tmp_path, f"data.sources=[{empty}]"))
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def f(x):\n  return x\n" * 200)
+  line = _error_line(capsys, _args(tmp_path, f"data.sources=[{corpus}]", f"data.cache_dir={tmp_path / 'c'}",
+                                   "data.seq_len=100000", "data.workers=1"))
+  assert "100000, fewer than data.batch_size=8; lower them or add data" in line
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+  assert main(["--debug", *_args(tmp_path, "optim.lr=-1")]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err
+  assert "Traceback" in err and err.strip().splitlines()[-1] == (
+      "python -m train: error: optim.lr=-1.0 must be a finite number > 0")

@@ -1,0 +1,50 @@
+"""One run per out_dir: a second one fails at once naming the holder; a dead holder's lock is taken over."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from train import data, lock
+from train.errors import UserError
+from train.main import EXIT_USER_ERROR, main
+
+
+def test_second_run_refused_then_free_after_release(tmp_path):
+  first = lock.RunLock(str(tmp_path))
+  first.acquire()
+  with pytest.raises(UserError, match=rf"{tmp_path} is in use by another run \(pid \d+ on {socket.gethostname()}, "
+                                      r"since .*\); wait for it to finish or use another run.out_dir"):
+    lock.RunLock(str(tmp_path)).acquire()
+  first.release()
+  log = io.StringIO()
+  with lock.RunLock(str(tmp_path), log=log):
+    pass
+  assert log.getvalue() == ""  # a released lock is free, not stale
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  (tmp_path / "LOCK").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "x"}))
+  log = io.StringIO()
+  with lock.RunLock(str(tmp_path), log=log) as held:
+    assert json.loads((tmp_path / "LOCK").read_text())["pid"] != dead.pid
+  assert f"taking over the stale lock {held.path} of pid {dead.pid}" in log.getvalue()
+  (tmp_path / "LOCK").write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "x"}))
+  with pytest.raises(UserError, match="records a run of pid 1 on host elsewhere, which cannot be checked"):
+    lock.RunLock(str(tmp_path)).acquire()
+
+
+def test_cli_refuses_a_busy_out_dir_at_once(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("trained on a locked out_dir"))
+  with lock.RunLock(str(tmp_path / "run")):
+    assert main(["--config", "configs/cpu_compare.yaml", "--set", f"run.out_dir={tmp_path / 'run'}"]) == \
+        EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "is in use by another run (pid" in err, err

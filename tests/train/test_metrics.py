@@ -1,0 +1,46 @@
+"""Run outputs: metrics.jsonl records, TensorBoard event files read back by TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from train import metrics
+
+
+def test_tensorboard_events_read_back(tmp_path):
+  log = metrics.MetricsLogger(str(tmp_path), "nvfp4")
+  log.log(1, "train", {"loss": 2.5, "lr": 1e-3})
+  log.log(300, "train", {"loss": 1.25})
+  log.log(300, "eval", {"loss": 3.0})
+  log.close()
+  acc = EventAccumulator(str(tmp_path / "tb"))
+  acc.Reload()
+  assert sorted(acc.Tags()["scalars"]) == ["eval/loss", "train/loss", "train/lr"]
+  assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (300, 1.25)]
+  assert acc.Scalars("train/lr")[0].value == pytest.approx(1e-3)
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert records[0] == {"step": 1, "kind": "train", "route": "nvfp4", "loss": 2.5, "lr": 1e-3}
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
+
+
+def test_progress_plain_lines_unless_a_terminal():
+  log = io.StringIO()
+  bar = metrics.ProgressBar(12, "mxfp4", stream=log, every=5)
+  for step in range(1, 13):
+    bar.update(step, 2.0, 1000.0, 3.0)
+  bar.close()
+  lines = log.getvalue().splitlines()
+  assert "\r" not in log.getvalue() and [l.split("| ")[1].split()[0] for l in lines] == ["5/12", "10/12", "12/12"]
+  tty = _Terminal()
+  bar = metrics.ProgressBar(12, "mxfp4", stream=tty, every=5)
+  for step in range(1, 13):
+    bar.update(step, 2.0, 1000.0, 3.0)
+  assert tty.getvalue().count("\r") == 12

@@ -1,0 +1,98 @@
+"""One training process per run directory: an exclusive lock on `out_dir/LOCK` holding the owner's pid and host.
+
+The lock is an `fcntl.flock` on the file, so the kernel drops it when its process dies, however it dies; the file's
+content only says who holds it. A second process on the same out_dir therefore fails at once with the holder's pid
+and host (instead of waiting on Orbax's barrier, or interleaving two runs' metrics). A file whose recorded process
+is gone (a crash, a kill -9) is stale: the next run takes it over with a warning. A record from another host can
+not be checked from here (and flock may not reach across hosts on a network file system), so it is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from typing import TextIO
+
+from train.errors import UserError
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # exists, owned by someone else
+    return True
+  return True
+
+
+class RunLock:
+  """`with RunLock(out_dir): ...` holds out_dir/LOCK for the block; raises UserError if another run holds it."""
+
+  def __init__(self, out_dir: str, *, log: TextIO = sys.stderr):
+    self.path = os.path.join(os.path.abspath(out_dir), "LOCK")
+    self.log = log
+    self._fd: int | None = None
+
+  def _holder(self) -> dict:
+    os.lseek(self._fd, 0, os.SEEK_SET)
+    text = os.read(self._fd, 4096).decode(errors="replace")
+    try:
+      return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+      return {"pid": "?", "host": "?", "unreadable": text[:80]}
+
+  def acquire(self) -> None:
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    host = socket.gethostname()
+    locked = True
+    try:
+      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = self._holder()
+      self._close()
+      raise UserError(f"{os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
+                      f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish or "
+                      f"use another run.out_dir") from None
+    except OSError as e:  # a file system without flock: the recorded pid is all there is to go on
+      locked = False
+      self.log.write(f"[train] warning: cannot lock {self.path} ({e.strerror}); checking its recorded pid only\n")
+    holder = self._holder()  # what a run that did not release the lock left behind
+    if holder.get("host") not in (None, host):
+      self._close()
+      raise UserError(f"{self.path} records a run of pid {holder.get('pid')} on host {holder.get('host')}, which "
+                      f"cannot be checked from {host}; if it has ended, delete {self.path}")
+    if holder.get("pid") not in (None, os.getpid()):
+      if not locked and isinstance(holder["pid"], int) and _alive(holder["pid"]):
+        self._close()
+        raise UserError(f"{os.path.dirname(self.path)} is in use by pid {holder['pid']} on {host}; wait for it "
+                        f"to finish or use another run.out_dir")
+      self.log.write(f"[train] warning: taking over the stale lock {self.path} of pid {holder.get('pid')} on "
+                     f"{host}, which is no longer running\n")
+    record = {"pid": os.getpid(), "host": host, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, json.dumps(record).encode(), 0)
+    os.fsync(self._fd)
+
+  def release(self) -> None:
+    """Empties the file (an empty LOCK is free) and drops the lock. The file stays: deleting it would let a
+    process that opened it just before take a lock on a file that no longer exists, beside a new one."""
+    if self._fd is not None:
+      os.ftruncate(self._fd, 0)
+      self._close()
+
+  def _close(self) -> None:
+    os.close(self._fd)  # also drops the flock
+    self._fd = None
+
+  def __enter__(self) -> RunLock:
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
