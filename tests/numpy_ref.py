@@ -229,10 +229,13 @@ def quantize_np(x, fmt: str, *, axis: int = -1, rounding: str = "rne", key=None,
   def scale_for(vmax):
     return e4m3_rn(np.minimum(amax_b * (s_enc * inv_target(vmax, rounding)), F32(448)))
 
-  def scaled(s_b):
+  inv = (F32(1) / s_enc).astype(F32)  # outer, fp32(1 / S_enc), per unit
+
+  def scaled(s_b):  # x * enc_b, enc_b = 1 / fp32(s_b * outer): Transformer Engine's order
     sf = s_b.astype(F32)
     with np.errstate(divide="ignore", over="ignore"):
-      e = np.where(sf == 0, F32(0), np.minimum(s_enc / np.where(sf == 0, F32(1), sf), np.finfo(F32).max))
+      e = F32(1) / (np.where(sf == 0, F32(1), sf) * inv).astype(F32)
+      e = np.where(sf == 0, F32(0), np.minimum(e, np.finfo(F32).max))
     return np.clip((xb * e.astype(F32)[..., None]).astype(F32), -6, 6)
 
   if fmt == "nvfp4_46":

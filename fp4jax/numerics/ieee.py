@@ -122,3 +122,31 @@ def e4m3_to_f32(s: jax.Array) -> jax.Array:
   """float32 values of a float8_e4m3fn array, decoded from its bytes (see the module docstring for why not
   `s.astype(jnp.float32)`). NaN for 0x7F / 0xFF."""
   return e4m3_bits_to_f32(jax.lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.uint32))
+
+
+LIFT = 64  # a subnormal float32 times 2^64 is normal (>= 2^-85)
+
+
+def lift(f: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(f * 2^shift exactly, shift) for float32 f: shift = `LIFT` where f is subnormal (the result then normal,
+  built from f's bits, so no flush-to-zero can touch it), else 0 and f itself."""
+  f = jnp.asarray(f, jnp.float32)
+  bits = jax.lax.bitcast_convert_type(f, jnp.uint32)
+  mant = bits & np.uint32(0x7FFFFF)
+  subnormal = ((bits & _EXP_INF) == 0) & (mant != 0)
+  lifted = mant.astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0 ** (LIFT - 149))  # exact
+  lifted = jnp.where((bits & _SIGN) != 0, -lifted, lifted)
+  return jnp.where(subnormal, lifted, f), jnp.where(subnormal, LIFT, 0).astype(jnp.int32)
+
+
+def mul_scale(x: jax.Array, f: jax.Array) -> jax.Array:
+  """x * f rounded once, also where the float32 factor f is subnormal.
+
+  XLA:CPU treats subnormal operands as zero (DAZ), so multiplying by a subnormal scale (an E8M0 2^-127, an
+  NVFP4 outer factor 1 / S_enc of a tensor with amax below ~3.2e-35) would give 0 there and the right value
+  on a GPU. A subnormal f enters lifted by 2^64 (`lift`), and the product, rounded once, is scaled back by
+  2^-64, exact unless the result itself is subnormal (then the backend's flush applies, as to any subnormal
+  result). Normal f: plain x * f.
+  """
+  lifted, shift = lift(f)
+  return jnp.where(shift > 0, (x * lifted) * jnp.float32(2.0**-LIFT), x * jnp.asarray(f, jnp.float32))

@@ -12,8 +12,9 @@ Conventions (the contract the kernels reproduce):
     zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / (6 * 2^E) < clip_fraction,
     i.e. when the no-clip scale leaves more than that fraction of the E2M1 range unused.
   * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max);
-    s_b = e4m3_RN(min(amax_b * (S_enc * fp32(1/6)), 448)) (TE's order); enc_b = S_enc / s_b (0 when s_b = 0);
-    q = E2M1(clamp(x * enc_b, +-6)); outer = 1 / S_enc, so dequantized = q * s_b * outer.
+    s_b = e4m3_RN(min(amax_b * (S_enc * fp32(1/6)), 448)) (TE's order); outer = fp32(1 / S_enc);
+    enc_b = 1 / fp32(s_b * outer) (TE >= 2.8's order, 0 when s_b = 0, at most float32 max);
+    q = E2M1(clamp(x * enc_b, +-6)); dequantized = q * s_b * outer.
   * NVFP4 SR leaves headroom H = 17/16 (`NV_HEADROOM`, as Quartet II's SR) so that nothing clips and SR is
     unbiased: S_enc = fp32(scale_max * 6 / H) / amax, s_b = e4m3_RN(min(amax_b * (S_enc * c), 448)) with
     c = `nv_inv_target(6, H)`, the smallest float32 >= (H / 6) * (1 + 2^-22) (3 ulps above fp32(17/96)).
@@ -149,7 +150,7 @@ def _unit_nonfinite(xb: jax.Array, cfg: _Cfg) -> jax.Array:
 
 def _amax(a: jax.Array, axis=None) -> jax.Array:
   """max |a|, NaN when anything is non-finite (an Inf must not look like a finite amax)."""
-  m = jnp.max(jnp.abs(a), axis=axis)
+  m = jnp.max(jnp.abs(a), axis=axis, initial=0.0)  # 0 for an empty tensor
   return jnp.where(jnp.all(jnp.isfinite(a), axis=axis), m, jnp.nan)
 
 
@@ -242,21 +243,38 @@ def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom:
   return e4m3_rn(jnp.minimum(amax_b * (s_enc * nv_inv_target(v_max, headroom)), E4M3_MAX))
 
 
-def _nv_scaled(xb: jax.Array, s_b: jax.Array, s_enc: jax.Array) -> jax.Array:
-  """x * enc_b with enc_b = S_enc / s_b (0 when s_b = 0), in E2M1 units, clamped to +-6."""
-  sf = ieee.e4m3_to_f32(s_b)
-  enc = jnp.where(sf == 0, 0.0, jnp.minimum(ieee.div(s_enc, jnp.where(sf == 0, 1.0, sf)), _F32_MAX))
+def nv_block_encode(sf: jax.Array, outer: jax.Array) -> jax.Array:
+  """enc_b = 1 / fp32(s_b * outer) for float32 block scales `sf` under the decode factor outer = fp32(1 / S_enc):
+  Transformer Engine's order (>= 2.8); 0 where s_b = 0, at most float32 max.
+
+  The product is rounded to float32's 24 bits whatever its exponent: s_b = m * 2^e (m = 1 + j/8) and a subnormal
+  outer lifted by 2^L (`ieee.lift`) give fp32(m * outer * 2^L), normal, so enc_b = fp32(1 / that) * 2^(L - e)
+  (an exact power-of-two scaling; inf past float32 max). That is TE's IEEE result wherever s_b * outer is a
+  normal float32 (a block amax above ~6 * 2^-126), the same on every backend (no flush-to-zero can touch it),
+  and what the Pallas kernel computes (a table of the eight fp32(1 / (m * outer * 2^L)) per tensor).
+  """
+  o, shift = ieee.lift(outer)
+  bits = jax.lax.bitcast_convert_type(jnp.where(sf == 0, 1.0, sf), jnp.int32)  # E4M3 values: normal float32
+  m = jax.lax.bitcast_convert_type((bits & 0x7FFFFF) | (127 << 23), jnp.float32)  # significand in [1, 2)
+  e = (bits >> 23) - 127
+  enc = ieee.div(jnp.float32(1.0), m * o) * ieee.pow2(shift - e)  # 2^(L - e) in [2^-8, 2^73]
+  return jnp.where(sf == 0, 0.0, jnp.minimum(enc, _F32_MAX))
+
+
+def _nv_scaled(xb: jax.Array, s_b: jax.Array, outer: jax.Array) -> jax.Array:
+  """x * enc_b (`nv_block_encode`) in E2M1 units, clamped to +-6."""
+  enc = nv_block_encode(ieee.e4m3_to_f32(s_b), outer)
   return jnp.clip(xb * enc[..., None], -E2M1_MAX, E2M1_MAX)
 
 
-def _four_over_six(xb, amax_b, s_enc, cfg: _Cfg, headroom: float) -> jax.Array:
+def _four_over_six(xb, amax_b, s_enc, outer, cfg: _Cfg, headroom: float) -> jax.Array:
   """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error."""
   # [..., nb, B]: x in the S_enc-scaled domain, rounded to float32 here: the barrier keeps XLA from contracting
   # the product into the subtraction below (an FMA). q * s_b is exact, so that side needs none.
   target = jax.lax.optimization_barrier(xb * s_enc[..., None])
 
   def err(s_b):
-    q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, s_enc)))
+    q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, outer)))
     return _unit_sum(jnp.square(q * ieee.e4m3_to_f32(s_b)[..., None] - target), cfg)
 
   s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0, headroom), _nv_block_scale(amax_b, s_enc, 4.0, headroom)
@@ -267,7 +285,7 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   """NVFP4 (global, 4/6 or tile-local): E4M3 block scales under an FP32 outer factor 1 / S_enc."""
   del key
   spec = cfg.spec
-  xk = xb.reshape(*xb.shape[:-2], -1)  # [..., n]
+  xk = xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])  # [..., n]
   amax = _OUTER_AMAX[spec.outer](xk, cfg, tensor_amax)  # () or [...]
   headroom = NV_HEADROOM[cfg.rounding]
   s_enc = nvfp4_encode_scale(amax, spec.scale_max / headroom)
@@ -275,11 +293,12 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   bad = _unit_nonfinite(xb, cfg) | ~jnp.isfinite(s_enc_b)
   amax_b = jnp.where(bad, 0.0, _unit_max(jnp.abs(xb), cfg))  # [..., nb]
   s_enc_b = jnp.where(bad, 1.0, s_enc_b)
+  outer_b = ieee.div(jnp.float32(1.0), s_enc_b)  # = outer where the unit is finite
   if spec.four_over_six:
-    s_b = _four_over_six(xb, amax_b, s_enc_b, cfg, headroom)
+    s_b = _four_over_six(xb, amax_b, s_enc_b, outer_b, cfg, headroom)
   else:
     s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom)
-  codes = _encode(_nv_scaled(xb, s_b, s_enc_b), cfg, u)
+  codes = _encode(_nv_scaled(xb, s_b, outer_b), cfg, u)
   return _Result(codes, s_b, nvfp4_outer(s_enc), bad)
 
 
@@ -329,8 +348,12 @@ _NAN_SCALE_BITS = {"e8m0": _E8M0_NAN, "e4m3": _E4M3_NAN}
 def _check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows,
            tensor_amax) -> _Cfg:
   """Validates a quantize call and fills in defaults."""
+  if not isinstance(x, (jax.Array, np.ndarray)):
+    raise TypeError(f"quantize takes an array, got a {type(x).__name__} (wrap it in jnp.asarray)")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point input, got {x.dtype=}")
+  if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+    raise TypeError(f"quantize's axis must be an int, got {axis!r}")
   if rounding not in ROUNDINGS:
     raise ValueError(f"unknown {rounding=}; valid roundings: {tuple(ROUNDINGS)}")
   if not -x.ndim <= axis < x.ndim:
@@ -440,18 +463,20 @@ def decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
   """float32 block scales: 2^(s - 127) for E8M0 (255 -> NaN), the E4M3 value otherwise."""
   if spec.scale == "e8m0":
     s = scales.astype(jnp.int32)
-    return jnp.where(s == _E8M0_NAN, jnp.nan, jnp.ldexp(jnp.float32(1.0), s - 127))
+    bits = jnp.where(s == 0, 1 << 22, s << 23)  # 2^(s - 127) from its bits; byte 0 is the subnormal 2^-127
+    return jnp.where(s == _E8M0_NAN, jnp.nan, jax.lax.bitcast_convert_type(bits, jnp.float32))
   return ieee.e4m3_to_f32(scales)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
-  """The values a QTensor stands for, in the original shape, as `dtype`."""
+  """The values a QTensor stands for, in the original shape, as `dtype`: e2m1(code) * scale * outer, each
+  product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`)."""
   spec = q.spec
   vals = e2m1_decode(q.unpacked_codes())  # [..., n]
-  scale = decode_scales(q.scales, spec)
-  vals = (vals.reshape(*vals.shape[:-1], -1, spec.block) * scale[..., None]).reshape(vals.shape)
+  *lead, n = vals.shape
+  scale = decode_scales(q.scales, spec)  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it
+  vals = ieee.mul_scale(vals.reshape(*lead, n // spec.block, spec.block), scale[..., None]).reshape(vals.shape)
   if q.outer is not None:
-    outer = q.outer if q.outer.ndim == 0 else q.outer[..., None]
-    vals = vals * outer
+    vals = ieee.mul_scale(vals, q.outer if q.outer.ndim == 0 else q.outer[..., None])
   return jnp.moveaxis(vals, -1, q.axis).astype(dtype)

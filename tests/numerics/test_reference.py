@@ -250,7 +250,8 @@ NV_SR_IDS = [f + ("_2d" if t else "") for f, t in NV_SR]
 
 
 def _nv_sr_scaled(x: np.ndarray, q) -> np.ndarray:
-  """x * enc_b in float32 before the clamp, enc_b = S_enc / s_b from numpy_ref's SR S_enc and q's scales.
+  """x * enc_b in float32 before the clamp, enc_b = 1 / fl(s_b * fl(1 / S_enc)) from numpy_ref's SR S_enc and
+  q's scales.
 
   x [M, K] quantized along K; tile-local formats use `_q`'s tile_rows = 48.
   """
@@ -260,7 +261,8 @@ def _nv_sr_scaled(x: np.ndarray, q) -> np.ndarray:
   s_enc = np.repeat([numpy_ref.nv_s_enc(a, numpy_ref.SCALE_MAX[fmt], "sr") for a in tile_amax], rows)
   s_b = np.asarray(q.scales.astype(jnp.float32))  # [M, K / 16]
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # subnormal-scale blocks; callers mask
-    enc = np.where(s_b == 0, np.float32(0), s_enc[: x.shape[0], None].astype(np.float32) / s_b)
+    outer = (np.float32(1) / s_enc[: x.shape[0], None].astype(np.float32)).astype(np.float32)
+    enc = np.where(s_b == 0, np.float32(0), np.float32(1) / (s_b * outer).astype(np.float32))
     v = x.reshape(*s_b.shape, 16) * enc.astype(np.float32)[..., None]  # [M, K / 16, 16]
   return v
 
@@ -382,3 +384,51 @@ def test_quartet2_reference_errors():
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
     call(jnp.ones((64, 64)))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: ref.quantize(x, "mxfp4", axis="a"), "axis must be an int, got 'a'"),
+    (lambda x: ref.quantize(np.asarray(x).tolist(), "mxfp4"), r"takes an array, got a list"),
+])
+def test_invalid_call_types(call, match):
+  with pytest.raises(TypeError, match=match):
+    call(jnp.ones((64, 64)))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvfp4_tile"])
+@pytest.mark.parametrize("shape, axis", [((0, 32), 1), ((4, 0), 1), ((0, 64), 0)])
+def test_empty_tensors_round_trip(fmt, shape, axis):
+  q = ref.quantize(jnp.ones(shape), fmt, axis=axis)
+  assert q.shape == shape
+  assert ref.dequantize(q).shape == shape
+
+
+@pytest.mark.parametrize("fmt, exponent", [("mxfp4", -127), ("nvfp4", -118), ("nvfp4", -60)])
+def test_tiny_tensors_dequantize_without_flush_to_zero(fmt, exponent):
+  """Codes and scales of tiny (normal) inputs decode to their values on every backend, although an E8M0 scale
+  2^-127 (a block amax in [2^-125, 2^-124)) and an NVFP4 outer factor 1 / S_enc of a tensor amax below ~3.2e-35
+  are subnormal, which XLA:CPU's multiplication would treat as zero."""
+  x = jnp.asarray(np.linspace(2, 6, 64, dtype=np.float32).reshape(2, 32) * np.float32(2.0**exponent))
+  q = ref.quantize(x, fmt)
+  codes = np.asarray(ref.e2m1_decode(q.unpacked_codes()), np.float64)  # [2, 32]
+  if fmt == "mxfp4":
+    scales = np.ldexp(1.0, np.asarray(q.scales, np.int64) - 127)  # numpy keeps subnormals
+    assert int(np.asarray(q.scales).min()) == 0  # the subnormal scale 2^-127 is in use
+  else:
+    scales = np.asarray(ref.ieee.e4m3_to_f32(q.scales), np.float64)
+  outer = 1.0 if q.outer is None else np.float64(np.asarray(q.outer))
+  want = (codes * np.repeat(scales, q.spec.block, axis=-1) * outer).astype(np.float32)  # one rounding
+  got = np.asarray(ref.dequantize(q))
+  assert np.all(want != 0) and np.all(np.abs(want / np.asarray(x) - 1) < 0.25)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_nvfp4_encodes_in_transformer_engines_order():
+  """Transformer Engine (>= 2.8) encodes a block with 1 / fl(s_b * fl(1 / S_enc)), not fl(S_enc / s_b): under
+  tensor amax 2000 and block scale 3.5, x = 1.953125 lands at 0.74999994 (code 0.5) in TE's order and on the
+  E2M1 tie 0.75 (code 1.0) in the other."""
+  x = np.zeros((1, 32), np.float32)
+  x[0, 0], x[0, 16], x[0, 17] = 2000.0, 15.6, 1.953125
+  q = ref.quantize(jnp.asarray(x), "nvfp4")
+  assert float(q.scales.astype(jnp.float32)[0, 1]) == 3.5
+  assert float(ref.e2m1_decode(q.unpacked_codes())[0, 17]) == 0.5

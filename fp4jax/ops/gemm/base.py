@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import jax
 
+from fp4jax.numerics import ieee
 from fp4jax.numerics.qtensor import QTensor
 
 KMAJOR_DOT = (((1,), (1,)), ((), ()))  # a [M, K] . b [N, K] -> [M, N]
 
 
 def apply_outer(out: jax.Array, a: QTensor, b: QTensor) -> jax.Array:
-  """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column)."""
+  """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column), each
+  product rounded once also for a subnormal factor (`ieee.mul_scale`)."""
   if a.outer is not None:
-    out = out * (a.outer if a.outer.ndim == 0 else a.outer[:, None])
+    out = ieee.mul_scale(out, a.outer if a.outer.ndim == 0 else a.outer[:, None])
   if b.outer is not None:
-    out = out * (b.outer if b.outer.ndim == 0 else b.outer[None, :])
+    out = ieee.mul_scale(out, b.outer if b.outer.ndim == 0 else b.outer[None, :])
   return out

@@ -112,16 +112,25 @@ def test_bf16_amax_matches_reference():
     assert np.asarray(got).view(np.uint32) == np.asarray(want).view(np.uint32), (got, want)
 
 
-@pytest.mark.parametrize("s_enc", [1.0, 2688.0 / 3.0, 2529.8823 / 3e38, 3.4028235e38, 2688.0 / 1e-30])
+@pytest.mark.parametrize("s_enc", [1.0, 2688.0 / 3.0, 2529.8823 / 3e38, 3.4028235e38, 2688.0 / 1e-30, 2688.0 / 2e-35])
 def test_block_encode_is_the_exact_quotient(s_enc):
-  """q_j * 2^-e equals the reference's correctly rounded S_enc / s_b for every E4M3 s_b (0 -> 0)."""
+  """The kernel's table lookup q_j * 2^(L - e) equals the reference's enc_b for every E4M3 s_b (0 -> 0), and
+  that is 1 / fl(s_b * outer) in IEEE float32 (TE's order) wherever the product is normal."""
   sf = jnp.asarray(np.arange(0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32))
-  s = jnp.float32(s_enc)
-  params = jnp.concatenate([jnp.zeros((1,)), ieee.div(s, jnp.asarray(nvfp4._MANTISSAS))])[None]  # [1, 9]
+  outer = ieee.div(jnp.float32(1.0), jnp.float32(s_enc))
+  o, shift = ieee.lift(outer)
+  q = ieee.div(jnp.float32(1.0), o * jnp.asarray(nvfp4._MANTISSAS))  # pylint: disable=protected-access
+  params = jnp.zeros((1, 16)).at[0, 1:9].set(q).at[0, nvfp4._SHIFT_SLOT].set(shift)  # pylint: disable=protected-access
   got = nvfp4._block_encode(sf, params)  # pylint: disable=protected-access
-  safe = jnp.where(sf == 0, 1.0, sf)
-  want = jnp.where(sf == 0, 0.0, jnp.minimum(ieee.div(jnp.broadcast_to(s, sf.shape), safe), 3.4028235e38))
+  want = reference.nv_block_encode(sf, outer)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+  # TE's IEEE float32 order, wherever s_b * outer is a normal float32 (numpy keeps subnormals: no flush).
+  o32, s32 = np.float32(np.asarray(outer)), np.asarray(sf, np.float32)
+  with np.errstate(divide="ignore", over="ignore"):
+    te = np.where(s32 == 0, np.float32(0), np.minimum(np.float32(1) / (s32 * o32), np.finfo(np.float32).max))
+  normal = s32.astype(np.float64) * np.float64(o32) >= 2.0**-126
+  assert normal.sum() >= 40
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32)[normal], te.astype(np.float32).view(np.uint32)[normal])
 
 
 def test_one_named_kernel_in_lowering():

@@ -18,20 +18,21 @@ Two passes over x, with an explicit synchronisation between them:
      may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
      is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
      rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
-     q_j = S_enc / (1 + j/8), j = 0..7 (`ieee.div`, correctly rounded).
+     q_j = 1 / fl((1 + j/8) * outer), j = 0..7 (`ieee.div`, correctly rounded).
   2. the Pallas kernel: per block, amax_b from |x|'s float32 bits; s_b = e4m3_RN(min(amax_b * g, 448)) by bit
      arithmetic (RNE on the float32 bits for normal E4M3, t * 2^9 rounded to an integer by the add of 2^23 for
-     subnormal); enc_b = S_enc / s_b; codes from |x| * enc_b clamped to 6 (`common.encode_rne/_sr`).
+     subnormal); enc_b = 1 / fl(s_b * outer) (Transformer Engine's order); codes from |x| * enc_b clamped to 6
+     (`common.encode_rne/_sr`).
 
 Exactness without in-kernel division. Pallas's Triton lowering maps a float32 `lax.div` to `arith.divf`, which
 Triton compiles to an approximate division, and exposes no `div_rn` (only raw PTX through
 `pltriton.elementwise_inline_asm`), so the kernel divides nowhere. The reference's only per-block division is
-enc_b = fl(S_enc / s_b). An E4M3 value is s_b = (1 + j/8) * 2^e (subnormals too: m * 2^-9 with m = 1..7 is 1, 1,
-1.5, 1, 1.25, 1.5, 1.75 times a power of two), so S_enc / s_b = (S_enc / (1 + j/8)) * 2^-e, and
-fl(S_enc / s_b) = q_j * 2^-e exactly whenever the result is a normal float32: scaling by a power of two commutes
-with rounding. It always is: S_enc >= fl(2688 / H) / f32_max > 7e-36 (or 0 for an infinite given amax: 0 on both
-sides), q_j >= S_enc / 1.875 and 2^-e >= 2^-8, so q_j * 2^-e > 1.5e-38 > float32 tiny; an overflow (s_b tiny,
-S_enc huge) gives inf on both sides, which min(., f32_max) maps to f32_max as the reference does.
+enc_b (`reference.nv_block_encode`): with s_b = (1 + j/8) * 2^e (an E4M3 value, subnormals too: m * 2^-9 with
+m = 1..7 is 1, 1, 1.5, 1, 1.25, 1.5, 1.75 times a power of two) and O = outer * 2^L (L = 64 for a subnormal
+outer, else 0), enc_b = fl(1 / fl((1 + j/8) * O)) * 2^(L - e): the reference computes exactly that, and the
+kernel reads the first factor from a table of eight per tensor (or row tile) computed in XLA (`ieee.div`,
+correctly rounded) and builds 2^(L - e) from exponent bits (e in [-9, 8]: always normal). The product is exact
+below float32 max and inf above, which min(., f32 max) maps to f32 max on both sides.
 Everything else per element or per block is a multiplication, a min, or integer/bit arithmetic, each one
 IEEE-rounded in Triton as in XLA; where an add follows a product (the 2^23 tricks), the product is exact, so an
 FMA contraction cannot change it. Assumed on GPU, not yet measured: Triton does not flush subnormal float32
@@ -91,7 +92,7 @@ _E4M3_NAN = 0x7F
 _F32_MAX = float(np.finfo(np.float32).max)
 # Per-view parameter row handed to each program (`_view_params`; a power-of-two width).
 _N_PARAMS = 16
-_S_ENC_SLOT, _G4_SLOT = 9, 10
+_S_ENC_SLOT, _G4_SLOT, _SHIFT_SLOT = 9, 10, 11
 _MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 significands, exact in float32
 
 
@@ -130,28 +131,32 @@ def _view_params(amax: jax.Array, rounding: str, step: int, fmt: str) -> tuple[j
   """(per-program parameter rows [P, 16], outer) of one view from its amax (() or one per K-major row).
 
   `step`: K-major rows per program, used to pick each program's S_enc (constant within a program). Row:
-  [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), 0 ...].
+  [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), L, 0 ...]: q_j = 1 / fp32((1 + j/8)
+  * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`; `_block_encode` scales back by 2^L).
   """
   headroom = reference.NV_HEADROOM[rounding]
   s_enc = reference.nvfp4_encode_scale(amax, get_format(fmt).scale_max / headroom)
   outer = reference.nvfp4_outer(s_enc)
   s = s_enc.reshape(-1)[::step] if s_enc.ndim else s_enc.reshape(1)  # [P]
   g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
-  q = ieee.div(s[:, None], jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
+  o, shift = ieee.lift(ieee.div(jnp.float32(1.0), s))  # [P]: outer * 2^L, normal
+  q = ieee.div(jnp.float32(1.0), o[:, None] * jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
   g4 = s * reference.nv_inv_target(4.0, headroom)
-  pad = jnp.zeros((s.shape[0], _N_PARAMS - 11), jnp.float32)
-  return jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], pad], axis=1), outer
+  pad = jnp.zeros((s.shape[0], _N_PARAMS - 12), jnp.float32)
+  cols = [g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad]
+  return jnp.concatenate(cols, axis=1), outer
 
 
 def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
-  """enc_b = fl(S_enc / s_b) (0 when s_b = 0, at most f32 max) as q_j * 2^-e for s_b = (1 + j/8) * 2^e."""
+  """enc_b = 1 / fl(s_b * outer) (0 when s_b = 0, at most f32 max) as q_j * 2^(L - e) for s_b = (1 + j/8) * 2^e."""
   b = jax.lax.bitcast_convert_type(sf, jnp.int32)
   j = (b >> 20) & 7
   q = p_ref[0, 1]
   for i in range(1, 8):
     q = jnp.where(j == i, p_ref[0, 1 + i], q)
-  pow2_neg_e = jax.lax.bitcast_convert_type((254 - (b >> 23)) << 23, jnp.float32)  # exact: a normal 2^-e
-  return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2_neg_e, _F32_MAX))
+  shift = p_ref[0, _SHIFT_SLOT].astype(jnp.int32)
+  pow2 = jax.lax.bitcast_convert_type((254 + shift - (b >> 23)) << 23, jnp.float32)  # exact: a normal 2^(L - e)
+  return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2, _F32_MAX))
 
 
 def _scale_candidate(amax: jax.Array, p_ref, slot: int = 0):
