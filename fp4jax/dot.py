@@ -219,15 +219,24 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: Impl) -> jax.Array:
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+# The primal, the forward with residuals and the backward are each jitted with the plan static: a model calls
+# fp4_dot from many layers with a few distinct shapes, and each distinct (plan, shapes) is then traced and
+# lowered once (one function XLA inlines at every call site) instead of once per layer.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dot2d(plan: _Plan, x, w, key):
+  return _forward(plan, x, w, key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(plan: _Plan, x, w, key):
   r = plan.route
   xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.impl)  # [M, K]
   wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.impl)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
-def _dot2d_fwd(plan: _Plan, x, w, key):
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
     xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.impl)  # [M, K]
@@ -244,7 +253,8 @@ def _dot2d_fwd(plan: _Plan, x, w, key):
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (x_wgrad, w_dgrad, key)
 
 
-def _dot2d_bwd(plan: _Plan, res, g):
+@functools.partial(jax.jit, static_argnums=0)
+def _backward(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
   dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, key, ("dgrad_dy", "wgrad_dy"), plan.impl)  # [M, N], [N, M]
@@ -253,4 +263,4 @@ def _dot2d_bwd(plan: _Plan, res, g):
   return dx, dw, None
 
 
-_dot2d.defvjp(_dot2d_fwd, _dot2d_bwd)
+_dot2d.defvjp(_forward_saving, _backward)
