@@ -7,6 +7,7 @@ import sys
 
 from bench import compile as compile_bench
 from bench import dot, program, quantize, triton
+from fp4jax import platform
 
 # name -> (module with add_args(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -20,10 +21,14 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+  parser.add_argument("--compile-cache", default=str(platform.default_cache_dir()),
+                      help="JAX's persistent compilation cache directory, or 'off' (default: %(default)s)")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
     module.add_args(sub.add_parser(name, help=help_, description=module.__doc__.splitlines()[0]))
   args = parser.parse_args(argv)
+  platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
+  platform.enable_compilation_cache(None if args.compile_cache == "off" else args.compile_cache)
   return SUBCOMMANDS[args.command][0].run(args) or 0
 
 

@@ -1,11 +1,15 @@
 """Which platform JAX is compiling for, where a choice depends on it (the quantizer implementation "auto", the
-fp8 GEMM's output dtype).
+fp8 GEMM's output dtype, the attention kernel), and the process-wide set-up the apps (train, bench) call at
+start: XLA flags and JAX's persistent compilation cache.
 
 The default backend answers on a machine with the accelerator; an abstract mesh of GPU devices answers when a
 GPU program is lowered on a machine without one (`python -m bench program`), so both see the same program.
 """
 
 from __future__ import annotations
+
+import os
+import pathlib
 
 import jax
 
@@ -14,3 +18,43 @@ def compiles_for_gpu() -> bool:
   """True when JAX compiles for a GPU: the default backend is one, or an abstract mesh of GPU devices is in use."""
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   return jax.default_backend() == "gpu" or (device is not None and device.platform == "gpu")
+
+
+# XLA flags the apps (train, bench) start with on a GPU. Triton GEMM autotuning cost ~45 s per fp4_dot
+# forward + backward on the H200 for the same GEMM speed as cuBLAS (docs/BENCHMARKS.md, "Compile time").
+DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+
+
+def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
+  """Adds each `--name=value` of `flags` to the XLA_FLAGS environment variable unless XLA_FLAGS already sets
+  that name (the user's choice wins); returns the result. XLA reads XLA_FLAGS once, when JAX first starts a
+  backend, so call this before any computation."""
+  current = os.environ.get("XLA_FLAGS", "")
+  names = {f.split("=")[0] for f in current.split()}
+  added = [f for f in flags if f.split("=")[0] not in names]
+  os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+  return os.environ["XLA_FLAGS"]
+
+
+def default_cache_dir() -> pathlib.Path:
+  """Where the apps keep JAX's persistent compilation cache: $FP4JAX_CACHE, else $XDG_CACHE_HOME/fp4jax/jax
+  (~/.cache/fp4jax/jax)."""
+  if os.environ.get("FP4JAX_CACHE"):
+    return pathlib.Path(os.environ["FP4JAX_CACHE"])
+  return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "fp4jax" / "jax"
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Path | None:
+  """Turns on JAX's persistent compilation cache in `directory` (created if missing; None turns it off), so a
+  second run of the same program loads its executables instead of compiling them (the Pallas kernels' Triton
+  code included: it is part of the XLA executable). Every entry is kept (no minimum compile time). JAX writes
+  each entry to a temporary file and renames it into place, so processes may share one directory."""
+  if directory is None:
+    jax.config.update("jax_compilation_cache_dir", None)
+    return None
+  path = pathlib.Path(directory).expanduser()
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path

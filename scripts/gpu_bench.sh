@@ -35,9 +35,15 @@ for part in "${parts[@]}"; do
         --no-check --unfused --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
         2>&1 | grep -v "compiling and timing" | tail -60 ;;
     compile)
-      log "fp4_dot compile time, default XLA flags vs $DOT_FLAGS"
-      timeout 200 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8
-      XLA_FLAGS=$DOT_FLAGS timeout 100 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8 ;;
+      log "fp4_dot compile time, XLA's Triton GEMMs on vs $DOT_FLAGS (bench's default)"
+      XLA_FLAGS=--xla_gpu_enable_triton_gemm=true timeout 200 python3 -m bench compile --shapes 0 \
+        --routes mxfp4 nvfp4 2>&1 | tail -8
+      timeout 100 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8
+      log "train step compile phases (cold), Llama-30M 64x512 and 1B 8x1024"
+      timeout ${COMPILE_LIMIT:-400} python3 -m bench compile --step 30m --tokens 64x512 \
+        --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -8
+      timeout ${COMPILE_LIMIT:-400} python3 -m bench compile --step 1b --tokens 8x1024 --routes bf16 mxfp4 2>&1 \
+        | tail -6 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \

@@ -142,11 +142,13 @@ class RunConfig:
   routes: tuple[str, ...] = ()  # non-empty: compare mode, one run per route
   mesh: tuple[int, ...] = (-1, 1)
   progress: bool = True
+  compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (~/.cache/fp4jax/jax), "none", or a path
 
   def __post_init__(self):
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
                                 "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _AT_LEAST_0,
-                                "out_dir": (bool, "a directory path, not empty")})
+                                "out_dir": (bool, "a directory path, not empty"),
+                                "compile_cache": (bool, "'auto', 'none' or a directory path")})
     if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
       raise ConfigError(f"run.mesh={list(self.mesh)} must be two sizes [data, fsdp], each >= 1 or one of them -1 "
                         f"(all the remaining devices)")
@@ -236,7 +238,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     except (TypeError, ValueError):
       raise ConfigError(f"{where}: expected a number, got {value!r}") from None
   if tp is str:
-    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+    if isinstance(value, bool):
+      raise ConfigError(f"{where}: expected a string, got {value!r} (YAML reads yes/no/on/off unquoted as "
+                        f"true/false: quote the value)")
+    if not isinstance(value, (str, int, float)):
       raise ConfigError(f"{where}: expected a string, got {value!r}")
     return str(value)
   raise TypeError(f"{where}: unsupported field type {tp}")

@@ -38,6 +38,10 @@ def _run(args: argparse.Namespace) -> int:
   from train import config
   cfg = config.load_config(args.config, args.set)  # every key and value checked before JAX starts
   import jax
+  from fp4jax import platform
+  platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
+  cache = {"auto": platform.default_cache_dir(), "none": None}.get(cfg.run.compile_cache, cfg.run.compile_cache)
+  platform.enable_compilation_cache(cache)
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
   from train import metrics, train

@@ -113,7 +113,7 @@ def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str =
   return True
 
 
-TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "first step",
+TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "compile", "first step",
                  "peak mem", "status")
 
 
@@ -123,8 +123,9 @@ def _fmt_bytes(n: float | None) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Markdown table of per-route results (`train.train.run` rows): train loss = mean of the last 10 steps,
-  held-out loss after the last step, tok/s over the train steps after the first (compile) step, and the
-  wall time of that first step (compilation included).
+  held-out loss after the last step, tok/s over the train steps after the first (compile) step, the time of
+  the first call of the train step (tracing and compiling, `compile_ticker`), and the wall time of that first
+  step (compilation and its run).
   """
   lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
   for r in rows:
@@ -134,6 +135,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         r["route"], str(r["steps"]), f"{r['train_loss']:.4f}" if r.get("train_loss") is not None else "n/a",
         f"{eval_loss:.4f}" if eval_loss is not None else "n/a", f"{ppl:.2f}" if ppl is not None else "n/a",
         f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a",
+        f"{r['compile_s']:.1f} s" if r.get("compile_s") is not None else "n/a",
         f"{r['first_step_s']:.1f} s" if r.get("first_step_s") is not None else "n/a",
         _fmt_bytes(r.get("peak_bytes")) + (f" ({r['peak_kind']})" if r.get("peak_kind") else ""),
         r.get("status", "ok"),

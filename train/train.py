@@ -33,6 +33,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from typing import Any
 
@@ -279,6 +280,31 @@ class _StepRecorder:
       self._window = []
 
 
+@contextlib.contextmanager
+def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0):
+  """While inside (the first call of the train step: tracing and XLA compilation), prints a plain line every
+  `every` seconds so a long compile is not silence; yields a function returning the seconds spent inside."""
+  t0 = time.time()
+  stop = threading.Event()
+
+  def tick():
+    while not stop.wait(every):
+      print(f"[{label}] compiling the train step: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+  thread = threading.Thread(target=tick, daemon=True)
+  if enabled:
+    thread.start()
+  elapsed = [None]
+  try:
+    yield lambda: elapsed[0]
+  finally:
+    elapsed[0] = time.time() - t0
+    stop.set()
+    if enabled:
+      thread.join()
+      print(f"[{label}] train step compiled in {elapsed[0]:.1f} s", file=sys.stderr, flush=True)
+
+
 def last_good(ckpt: checkpoint.Checkpointer) -> str:
   """The divergence message's tail: the newest checkpoint to go back to, if any."""
   step = ckpt.latest_step()
@@ -315,12 +341,17 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   log = metrics.MetricsLogger(r.out_dir, label) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
-  eval_loss = None
+  eval_loss = compile_s = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   try:
     for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
       batch = to_global(next(it), ts.batch_sharding)
-      ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
+      if done == start + 1:  # the first call traces and compiles the step: say so while it lasts, and time it
+        with compile_ticker(label, enabled=lead) as timer:
+          ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
+        compile_s = timer()
+      else:
+        ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
       if pending:  # the previous step's loss, read while this step runs: no device idle time
         rec.record(*pending)
       pending = (done, loss, gnorm)
@@ -352,7 +383,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   tail = [rec.losses[s] for s in sorted(rec.losses)[-10:]]
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(tail)) if tail else None,
          "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
-         "first_step_s": rec.first_step_s, "peak_bytes": peak,
+         "first_step_s": rec.first_step_s, "compile_s": compile_s, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
@@ -371,7 +402,7 @@ RESULT_FILE = "result.json"
 # Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
 # left to check_out_dir (more steps continue the run, fewer cannot).
 _RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
-                           "progress"},
+                           "progress", "compile_cache"},
                    "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
 
 

@@ -4,8 +4,10 @@ import json
 import os
 import re
 
+import jax
 import pytest
 
+from bench import compile as compile_bench
 from bench import dot, program, quantize, triton
 from bench.__main__ import main
 
@@ -87,3 +89,25 @@ def test_program_lowers_for_an_h200_without_one(capsys):
   assert len(lines) == 1 and "mxfp4" in lines[0], lines
   digests = lines[0].split("hlo")[1].split()
   assert digests == [program.digest(hlo), "kernels", *map(program.digest, kernels)]
+
+
+def test_bench_turns_on_the_compilation_cache_and_xla_flags(tmp_path, monkeypatch, capsys):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  main(["--compile-cache", str(tmp_path / "c"), "compile", "--small", "--shapes", "0", "--routes", "bf16"])
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+  assert jax.config.jax_compilation_cache_dir is None  # `compile` measures cold compiles unless --warm
+  main(["--compile-cache", str(tmp_path / "c"), "compile", "--warm", "--small", "--shapes", "0", "--routes", "bf16"])
+  assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c") and any((tmp_path / "c").iterdir())
+  capsys.readouterr()
+
+
+def test_bench_compile_step_phases_for_an_h200(capsys):
+  """`bench compile --step`: a Llama train step's trace / lower phases for an abstract H200, with its Pallas
+  kernels counted (one copy of each distinct kernel in the module, however many layers call it)."""
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--routes", "bf16",
+        "mxfp4"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled 2x32")]
+  assert len(lines) == 2 and "compile    n/a s" in lines[0], lines
+  counts = [re.search(r"(\d+) sites / (\d+) distinct", l).groups() for l in lines]
+  assert counts[0] == ("0", "0") and counts[1] == ("9", "9"), counts  # one dual-view kernel per distinct operand
+  assert compile_bench.kernel_counts('ir = "a" ir = "b" ir = "a"') == (3, 2)

@@ -3,14 +3,17 @@ cache shared by the session's workers compiles each distinct program once."""
 
 from __future__ import annotations
 
-import jax
+import os
+
 import pytest
+
+from fp4jax import platform
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_compilation_cache(tmp_path_factory):
   cache = tmp_path_factory.getbasetemp().parent / "jax-compilation-cache"  # the parent is shared by xdist workers
-  jax.config.update("jax_compilation_cache_dir", str(cache))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  os.environ["FP4JAX_CACHE"] = str(cache)  # where `python -m train` (run.compile_cache: auto) puts it too
+  platform.enable_compilation_cache(cache)
   yield
-  jax.config.update("jax_compilation_cache_dir", None)
+  platform.enable_compilation_cache(None)

@@ -39,6 +39,8 @@ def test_yaml_and_overrides(tmp_path):
     ("noequals", r"must look like key.sub=value"),
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
+    ("run.compile_cache=off", r"run.compile_cache: expected a string, got False \(YAML reads"),
+    ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none' or a directory path"),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
     ("optim.warmup=-5", r"optim.warmup=-5 must be >= 0"),

@@ -8,7 +8,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,6 +117,7 @@ def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, mon
   out = cfg.run.out_dir
   table = open(os.path.join(out, "table.md")).read()
   assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table and "n/a" not in table
+  assert "| compile | first step |" in table and all(0 < r["compile_s"] <= r["first_step_s"] for r in rows)
   assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert summary[1]["route"] == "mxfp4" and summary[1]["eval_loss"] > 0
@@ -144,6 +147,36 @@ def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
   assert ("python -m train: 2 of 2 route(s) failed: bf16 (loss is nan at step 2); mxfp4 (loss is nan at step 2)"
           in err), err
   assert "loss plot: none" in err and not os.path.exists(os.path.join(cfg.run.out_dir, "loss.png"))
+
+
+def test_compile_ticker_reports_while_it_lasts(capsys):
+  with train.compile_ticker("mxfp4", every=0.05) as elapsed:
+    time.sleep(0.3)
+  assert elapsed() >= 0.3
+  err = capsys.readouterr().err.splitlines()
+  assert err[0].startswith("[mxfp4] compiling the train step: ") and len(err) >= 3
+  assert err[-1].startswith("[mxfp4] train step compiled in 0.")
+  with train.compile_ticker("bf16", enabled=False):
+    pass
+  assert capsys.readouterr().err == ""
+
+
+def test_main_sets_xla_flags_and_the_compilation_cache(tmp_path, monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(train, "run_all", lambda cfg: [])
+  cfg = _corpus_cfg(tmp_path)
+  args = ["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"run.out_dir={cfg.run.out_dir}"]
+  saved = jax.config.jax_compilation_cache_dir
+  try:
+    assert main(args) == 0
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+    assert jax.config.jax_compilation_cache_dir == os.environ["FP4JAX_CACHE"]  # run.compile_cache: auto
+    assert main(args + ["--set", "run.compile_cache=none"]) == 0
+    assert jax.config.jax_compilation_cache_dir is None
+    assert main(args + ["--set", f"run.compile_cache={tmp_path / 'mine'}"]) == 0
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", saved)
 
 
 _SHARDED = textwrap.dedent("""

@@ -1,0 +1,75 @@
+"""fp4jax.platform: the target platform, the apps' XLA flags and the shared persistent compilation cache."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from fp4jax import platform
+
+
+def test_compiles_for_gpu_sees_an_abstract_gpu_mesh():
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=g-import-not-at-top
+  assert platform.compiles_for_gpu() == (jax.default_backend() == "gpu")
+  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  with use_abstract_mesh(mesh):
+    assert platform.compiles_for_gpu()
+
+
+def test_set_xla_flags_keeps_the_users_values(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x")
+  got = platform.set_xla_flags(("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_autotune_level=4"))
+  assert got == "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x --xla_gpu_autotune_level=4"
+  monkeypatch.delenv("XLA_FLAGS")
+  assert platform.set_xla_flags() == " ".join(platform.DEFAULT_XLA_FLAGS)
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv("FP4JAX_CACHE", str(tmp_path / "c"))
+  assert platform.default_cache_dir() == tmp_path / "c"
+  monkeypatch.delenv("FP4JAX_CACHE")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert platform.default_cache_dir() == tmp_path / "fp4jax" / "jax"
+
+
+_PROGRAM = """
+import sys, jax, jax.numpy as jnp
+from fp4jax import platform
+platform.enable_compilation_cache(sys.argv[1])
+f = jax.jit(lambda x: jnp.sin(x) @ x.T + float(sys.argv[2]))
+print(float(f(jnp.ones((64, 64))).sum()))
+"""
+
+
+def _run(cache, constant, processes=1):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  procs = [subprocess.Popen([sys.executable, "-c", _PROGRAM, str(cache), str(constant)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+  outs = [p.communicate(timeout=120) for p in procs]
+  assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+  return [float(out) for out, _ in outs]
+
+
+def test_two_processes_share_one_compilation_cache(tmp_path):
+  """Two processes compiling the same program into one cache directory at once both succeed; a third loads
+  the entry (no new file) and computes the same number."""
+  cache = tmp_path / "cache"
+  first = _run(cache, 1.0, processes=2)
+  entries = sorted(p.name for p in cache.rglob("*") if p.is_file())
+  assert entries and first[0] == first[1]
+  assert _run(cache, 1.0) == first[:1]
+  assert sorted(p.name for p in cache.rglob("*") if p.is_file()) == entries
+  _run(cache, 2.0)  # another program: another entry
+  assert len([p for p in cache.rglob("*") if p.is_file()]) > len(entries)
+
+
+def test_cache_off(tmp_path):
+  assert platform.enable_compilation_cache(None) is None
+  assert jax.config.jax_compilation_cache_dir is None
+  path = platform.enable_compilation_cache(tmp_path / "x")
+  try:
+    assert path.is_dir() and jax.config.jax_compilation_cache_dir == str(path)
+  finally:
+    platform.enable_compilation_cache(None)
