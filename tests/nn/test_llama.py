@@ -265,3 +265,19 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
   # Each scanned block received its own gradient.
   assert not np.array_equal(g_scanned["layers"][1]["mlp"]["up"]["kernel"][...],
                             g_scanned["layers"][2]["mlp"]["up"]["kernel"][...])
+
+
+def test_attention_auto_is_xla_off_gpu_and_falls_back_without_cudnn():
+  """attention_impl="auto": XLA's attention on CPU (bit for bit); lowering for an H200 on a machine without
+  cuDNN takes the cuDNN path, which refuses at trace time, so it warns and uses XLA's."""
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, (2, 16, 4, 32), jnp.bfloat16)
+  k, v = (jax.random.normal(kk_, (2, 16, 2, 32), jnp.bfloat16) for kk_ in (kk, kv))
+  np.testing.assert_array_equal(layers.attention(q, k, v, "auto"), layers.attention(q, k, v, "xla"))
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  with use_abstract_mesh(mesh):
+    with pytest.warns(UserWarning, match="cuDNN attention unavailable"):
+      jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto")).trace(q, k, v).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="unknown self.attention_impl='flash'"):
+    dataclasses.replace(TINY, attention_impl="flash")

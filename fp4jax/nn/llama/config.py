@@ -19,13 +19,17 @@ class Llama3RopeScaling:
       raise ValueError(f"{self.high_freq_factor=} must exceed {self.low_freq_factor=}")
 
 
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Llama shape and numerics. head_dim = dim // n_heads; n_heads must be a multiple of n_kv_heads (GQA).
 
   `init_std`: every matrix (embedding included) starts as normal(0, init_std), as HF Llama's
-  initializer_range. `attention_impl` is passed to `jax.nn.dot_product_attention(implementation=...)`: None lets JAX pick
-  ("xla" on CPU), "cudnn" selects the fused GPU kernel.
+  initializer_range. `attention_impl`: "auto" (default) takes cuDNN's fused flash attention when compiling for a
+  GPU and the call qualifies (`layers.attention`), else XLA's; "xla", "cudnn" or None (JAX's own pick, XLA's
+  materialized scores in JAX 0.11) go to `jax.nn.dot_product_attention(implementation=...)` as they are.
   """
 
   vocab_size: int
@@ -40,7 +44,7 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   init_std: float = 0.02
-  attention_impl: str | None = None
+  attention_impl: str | None = "auto"
 
   def __post_init__(self):
     if self.dim % self.n_heads:
@@ -49,6 +53,8 @@ class LlamaConfig:
       raise ValueError(f"{self.n_heads=} must be a multiple of {self.n_kv_heads=}")
     if self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim=}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"unknown {self.attention_impl=}; valid: {ATTENTION_IMPLS}")
 
   @property
   def head_dim(self) -> int:

@@ -10,6 +10,7 @@ Shapes: B batch, T sequence, D model dim, H query heads, K kv heads, Dh head dim
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from fp4jax.impl import Impl
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
+from fp4jax.platform import compiles_for_gpu
 
 ATTN_LINEARS = ("q", "k", "v", "o")
 MLP_LINEARS = ("gate", "up", "down")
@@ -115,6 +117,25 @@ class _Linears:
         kernel_sharding=fsdp_sharding((d_in, d_out)), rngs=self.rngs)
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None) -> jax.Array:
+  """Causal `jax.nn.dot_product_attention` of q [B, T, H, Dh] with k, v [B, T, K, Dh] (GQA).
+
+  implementation "auto": cuDNN's fused flash attention when compiling for a GPU and q is bf16/f16 with a head
+  dim that is a multiple of 8 up to 128 (what cuDNN's kernel takes), else XLA's, which materializes the
+  [B, H, T, T] scores (out of memory at 1B, seq 2048 on an H200). Where cuDNN turns the call down while
+  tracing (no cuDNN, too old a version) it warns and falls back to XLA. Other values pass through.
+  """
+  if implementation == "auto":
+    head_dim = q.shape[-1]
+    if compiles_for_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128:
+      try:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+      except (RuntimeError, ValueError, NotImplementedError) as e:
+        warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention", stacklevel=2)
+    implementation = "xla"
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
 class Attention(nnx.Module):
   """Causal grouped-query self-attention with RoPE; q, k, v, o are FP4Linear.
 
@@ -146,7 +167,7 @@ class Attention(nnx.Module):
     freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # [Dh/2], constants
     q = apply_rope(q, positions, freqs)
     k = apply_rope(k, positions, freqs)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    out = attention(q, k, v, self.implementation)
     return self.o(out.reshape(b, t, self.n_heads * self.head_dim), key=keys["o"])  # [B, T, D]
 
 
