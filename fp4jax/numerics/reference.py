@@ -11,42 +11,26 @@ Conventions (the contract the kernels reproduce):
     smallest E with amax / 2^E <= 6. E is clamped to [-127, 127]; a zero unit gets scale byte 0 (2^-127) and
     zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / (6 * 2^E) < clip_fraction,
     i.e. when the no-clip scale leaves more than that fraction of the E2M1 range unused.
-  * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max);
-    s_b = e4m3_RN(min(amax_b * (S_enc * fp32(1/6)), 448)) (TE's order); outer = fp32(1 / S_enc);
-    enc_b = 1 / fp32(s_b * outer) (TE >= 2.8's order, 0 when s_b = 0, at most float32 max);
+  * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max), s_b = e4m3_RN(min(amax_b *
+    (S_enc * fp32(1/6)), 448)), outer = fp32(1 / S_enc), enc_b = 1 / fp32(s_b * outer) (`nv_block_encode`),
     q = E2M1(clamp(x * enc_b, +-6)); dequantized = q * s_b * outer.
   * NVFP4 SR leaves headroom H = 17/16 (`NV_HEADROOM`, as Quartet II's SR) so that nothing clips and SR is
     unbiased: S_enc = fp32(scale_max * 6 / H) / amax, s_b = e4m3_RN(min(amax_b * (S_enc * c), 448)) with
-    c = `nv_inv_target(6, H)`, the smallest float32 >= (H / 6) * (1 + 2^-22) (3 ulps above fp32(17/96)).
-    docs/NUMERICS.md ("NVFP4 SR headroom") proves that nothing then clips.
-    4/6 divides both targets by H (6 / H and 4 / H). Not covered: subnormal E4M3 scales (t < 2^-6, a block amax
-    below ~3.5e-5 of the governing amax; 6e-5 for 4/6), whose RN step is up to 1/3 of the value (or 0): such
-    blocks can still clip or vanish, as in TE and Quartet II.
-  * 4/6: per unit, s_b for target maxima 6 and 4 as above, keep the one whose RNE codes have the lower sum of
-    squared errors (ties -> 6). The error is measured in the S_enc-scaled dequantized domain,
-    (q * s_b - x * S_enc)^2, so neither tiny nor huge tensors over/underflow it; with rounding="sr" the choice is
-    still made on the RNE codes, so it does not depend on the random draws and SR stays unbiased.
+    c = `nv_inv_target(6, H)`; 4/6 divides both targets by H. docs/NUMERICS.md ("NVFP4 SR headroom") proves that
+    nothing then clips and says what is not covered (subnormal E4M3 scales).
+  * 4/6: per unit, s_b for target maxima 6 and 4, keep the one whose RNE codes have the lower sum of squared
+    errors (q * s_b - x * S_enc)^2 (ties -> 6; the S_enc-scaled domain cannot over/underflow); under SR the choice
+    is still made on the RNE codes, so it does not depend on the draws.
   * Tile-local NVFP4: rows = all non-quantized positions of the K-major layout, flattened; each run of
     `tile_rows` rows (the last may be shorter) uses its own amax in the NVFP4 formula; outer is per row.
   * Stochastic rounding draws its uniform for element i from `fp4jax.prng` with counter = i's row-major flat
     index in the *original* array, stream `STREAM_ELEMENT_SR`: round up iff u < (|v| - lo) / (hi - lo).
-  * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): NUMERICS.md's steps, every operation one float32 rounding, in
-    this order (val_max = `EDEN_VAL_MAX`; `_eden_targets` computes up to t):
-      s_dec = amax * fp32(1 / (255.99 * val_max)) (1 when amax = 0, at least float32 tiny);
-      s_b = e4m3_RN(min((amax_b * fp32(1 / val_max)) / s_dec, 448)) (1 where that is 0);
-      ys = x / (s_b * s_dec) (the product first, then one division per element); q = E2M1_RNE(ys);
-      num = tree(ys * ys), den = tree(ys * q) per 128-element group: each product rounded to float32 (no FMA), then
-      `_tree_sum`'s halving tree; c = num / den (1 when den = 0); t = min(s_b * c, 448);
-      scale = e4m3_SR(t): lo <= t < hi the neighbouring E4M3 values, up iff u < (t - lo) / (hi - lo) (exact:
-      t - lo is exact and hi - lo a power of two), u from stream `STREAM_SCALE_SR` with counter = the block's
-      row-major flat index in the K-major scales array.
-    The SR decision exposes every ulp of t, so t must be bit-exact: XLA's FMA contraction of the products into the
-    sum, or its x * (1 / d) for the divisions, changed t in 29% of the groups (measured on CPU) and the scale in
-    1 group of 516,096 (tests/numerics/test_reference.py::test_eden_scale_regression).
-  * Divisions are correctly rounded IEEE divisions by a computed value (`ieee.div`; by a power of two,
-    `ieee.div_pow2`); a constant divisor is written as a multiplication by its float32 reciprocal. XLA's own
-    `/` will not do: its simplifier rewrites quotients (x / c into x * (1 / c), ...) and on NVIDIA GPUs it is
-    an approximation within 2 ulps (`ieee` and docs/NUMERICS.md say more). Kernels must divide exactly too.
+  * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): docs/NUMERICS.md ("MS-EDEN: float32 operation order") lists
+    its steps; every one is one float32 rounding in that order (`_eden_targets` computes up to t), because the
+    scale's SR exposes every ulp of t.
+  * Divisions by a computed value are correctly rounded (`ieee.div`; by a power of two `ieee.div_pow2`), never
+    XLA's `/` (rewritten by its simplifier, approximate on NVIDIA GPUs: docs/NUMERICS.md); a constant divisor is
+    a multiplication by its float32 reciprocal.
   * Sums that decide something (4/6 errors, EDEN's correction) are pairwise halving trees in a fixed order over
     float32 values (`_tree_sum` keeps products out of the first level: no FMA); a 2-D tile is summed along the
     original array's columns first, then its rows, so both orientations agree.
@@ -99,10 +83,7 @@ def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
   return jnp.squeeze(a, axis)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Scale units (a 1-D block of `spec.block` elements, or a block x block tile), per-format scale methods.
-
-
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
   """The static options of one quantize call, after validation and defaults."""
@@ -244,14 +225,10 @@ def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom:
 
 
 def nv_block_encode(sf: jax.Array, outer: jax.Array) -> jax.Array:
-  """enc_b = 1 / fp32(s_b * outer) for float32 block scales `sf` under the decode factor outer = fp32(1 / S_enc):
-  Transformer Engine's order (>= 2.8); 0 where s_b = 0, at most float32 max.
-
-  The product is rounded to float32's 24 bits whatever its exponent: s_b = m * 2^e (m = 1 + j/8) and a subnormal
-  outer lifted by 2^L (`ieee.lift`) give fp32(m * outer * 2^L), normal, so enc_b = fp32(1 / that) * 2^(L - e)
-  (an exact power-of-two scaling; inf past float32 max). That is TE's IEEE result wherever s_b * outer is a
-  normal float32 (a block amax above ~6 * 2^-126), the same on every backend (no flush-to-zero can touch it),
-  and what the Pallas kernel computes (a table of the eight fp32(1 / (m * outer * 2^L)) per tensor).
+  """enc_b = 1 / fp32(s_b * outer) (Transformer Engine's order; 0 where s_b = 0, at most float32 max) for float32
+  block scales `sf`, with the product rounded to 24 bits whatever its exponent: fp32(m * outer * 2^L) * 2^(e - L)
+  for s_b = m * 2^e and a subnormal outer lifted by 2^L (docs/NUMERICS.md, "NVFP4 encode order"); what the
+  Pallas kernel computes from its table of eight fp32(1 / (m * outer * 2^L)).
   """
   o, shift = ieee.lift(outer)
   bits = jax.lax.bitcast_convert_type(jnp.where(sf == 0, 1.0, sf), jnp.int32)  # E4M3 values: normal float32
