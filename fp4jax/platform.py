@@ -12,6 +12,7 @@ import os
 import pathlib
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 
 def compiles_for_gpu() -> bool:
@@ -49,12 +50,11 @@ def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Pat
   second run of the same program loads its executables instead of compiling them (the Pallas kernels' Triton
   code included: it is part of the XLA executable). Every entry is kept (no minimum compile time). JAX writes
   each entry to a temporary file and renames it into place, so processes may share one directory."""
-  if directory is None:
-    jax.config.update("jax_compilation_cache_dir", None)
-    return None
-  path = pathlib.Path(directory).expanduser()
-  path.mkdir(parents=True, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  path = None if directory is None else pathlib.Path(directory).expanduser()
+  if path is not None:
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
+  compilation_cache.reset_cache()  # JAX opens the directory once per process: a later change needs a reset
   return path
