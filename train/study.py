@@ -31,7 +31,8 @@ with --only); a run cut short resumes from the checkpoint in its scratch directo
 whose loss goes non-finite is recorded with that status (the report counts it, its loss is left out). After the
 runs (or alone with --report) the report is written from every record: see `train.study_report`.
 
-Exit status: 0 when every selected run is recorded ok, 1 when one diverged, 2 for a mistake in the config (one line).
+Exit status: 0 when no run of this call diverged, 1 when one did (it is recorded all the same), 2 for a mistake in
+the config (one line, before any work).
 """
 
 from __future__ import annotations

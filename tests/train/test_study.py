@@ -41,50 +41,94 @@ def _records(results) -> dict[str, dict]:
   return {p.stem: json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))}
 
 
-def test_study_records_resumes_and_reports(tmp_path, monkeypatch, capsys):
+def test_one_run_trains_and_is_recorded(tmp_path):
+  """--only trains just the named run (for real: tiny Llama, 3 steps) and records it; its checkpoints stay in the
+  scratch directory."""
   path = _study_file(tmp_path)
   results = tmp_path / "results"
-  assert study.main(["--config", path, "--only", "mxfp4_last1:1"]) == 0  # one run, as in one GPU call
-  assert list(_records(results)) == ["mxfp4_last1-seed1"]
-  assert study.main(["--config", path]) == 0  # the other three
+  assert study.main(["--config", path, "--only", "bf16:1"]) == 0
   recs = _records(results)
-  assert list(recs) == RUN_KEYS
-  for key, r in recs.items():
-    assert r["status"] == "ok" and r["steps"] == 3 and r["tokens"] == 768, key  # ceil(668 / 256) steps
-    assert r["rules"]["bf16_last"] == (1 if r["route"] == "mxfp4" else 0) and f"seed{r['seed']}" in key
-    assert r["curve"]["step"] == [1, 3] and r["final_logged"] == 3  # subsampled to 2 points, first and last
-    assert r["train_loss"] > 0 and r["eval_loss"] > 0 and r["tokens_per_s"] > 0 and r["device"] and r["commit"]
-    assert os.path.isdir(tmp_path / "scratch" / key / "ckpt")  # checkpoints stay in the scratch dir
-  assert recs["bf16-seed0"]["eval_loss"] != recs["bf16-seed1"]["eval_loss"]  # the seed changes the run
+  assert list(recs) == ["bf16-seed1"]
+  r = recs["bf16-seed1"]
+  assert r["status"] == "ok" and r["route"] == "bf16" and r["rules"]["bf16_last"] == 0 and r["seed"] == 1
+  assert r["steps"] == 3 and r["tokens"] == 768  # ceil(668 / 256) steps of 8 x 32 tokens
+  assert r["curve"]["step"] == [1, 3] and r["final_logged"] == 3  # 3 logged, subsampled to 2: first and last
+  assert r["train_loss"] > 0 and r["eval_loss"] > 0 and r["tokens_per_s"] > 0 and r["device"] and r["commit"]
+  assert r["config"]["run"]["out_dir"] == str(tmp_path / "scratch" / "bf16-seed1")
+  assert os.path.isdir(tmp_path / "scratch" / "bf16-seed1" / "ckpt")
+  assert "| bf16 | bf16 | none | 1 | 0.0M |" in (results / study_report.TABLE).read_text()
+
+
+def _fake_run_all(calls: list[str], diverge: str = ""):
+  """A stand-in for train.run_all: writes a metrics.jsonl whose losses depend on the route and seed, returns a row."""
+  def run_all(cfg, *, log=None):
+    key = os.path.basename(cfg.run.out_dir)
+    calls.append(key)
+    base = 3.0 + 0.1 * (cfg.route != "bf16") + 0.013 * cfg.run.seed ** 2
+    os.makedirs(cfg.run.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.run.out_dir, "metrics.jsonl"), "w") as f:
+      for step in range(1, cfg.run.steps + 1):
+        f.write(json.dumps({"step": step, "kind": "train", "route": cfg.route, "loss": base + 1 / step}) + "\n")
+    if key == diverge:
+      raise train.NonFiniteLossError(f"[{cfg.route}] loss is nan at step 3; stopped. No checkpoint was saved yet.")
+    return [{"route": cfg.route, "steps": cfg.run.steps, "eval_loss": base + 0.2 + 0.01 * (cfg.route == "bf16"),
+             "tokens_per_s": 1000.0 + cfg.run.seed, "compile_s": 1.0, "first_step_s": 2.0, "peak_bytes": 2 ** 20,
+             "peak_kind": "host RSS", "status": "ok"}]
+  return run_all
+
+
+def test_study_resumes_and_reports(tmp_path, monkeypatch, capsys):
+  path = _study_file(tmp_path)
+  results = tmp_path / "results"
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls))
+  assert study.main(["--config", path, "--only", "bf16:1"]) == 0 and calls == ["bf16-seed1"]
+  assert study.main(["--config", path]) == 0  # the other three
+  assert calls == ["bf16-seed1", "bf16-seed0", "mxfp4_last1-seed0", "mxfp4_last1-seed1"]
+  recs = _records(results)
+  assert list(recs) == RUN_KEYS and all(r["status"] == "ok" and r["steps"] == 3 for r in recs.values())
 
   # A rerun trains nothing: every run has its record.
   monkeypatch.setattr(train, "run_all", lambda *a, **k: pytest.fail("a recorded run was trained again"))
-  table_before = (results / study_report.TABLE).read_text()
+  table = (results / study_report.TABLE).read_text()
   assert study.main(["--config", path]) == 0
-  assert _records(results) == recs and (results / study_report.TABLE).read_text() == table_before
+  assert _records(results) == recs and (results / study_report.TABLE).read_text() == table
   assert all((results / f).stat().st_size > 1000 for f in ("curves.png", "gap.png"))
 
   # The table holds what the records give by hand: mean ± sample std over seeds, gap vs bf16 in %.
-  evals = {n: [recs[f"{n}-seed{s}"]["eval_loss"] for s in (0, 1)] for n in ("bf16", "mxfp4_last1")}
-  trains = {n: [recs[f"{n}-seed{s}"]["train_loss"] for s in (0, 1)] for n in ("bf16", "mxfp4_last1")}
-  b, r = statistics.mean(evals["bf16"]), statistics.mean(evals["mxfp4_last1"])
-  sb, sr = statistics.stdev(evals["bf16"]), statistics.stdev(evals["mxfp4_last1"])
+  def column(name, key):
+    return [recs[f"{name}-seed{s}"][key] for s in (0, 1)]
+  b, sb = statistics.mean(column("bf16", "eval_loss")), statistics.stdev(column("bf16", "eval_loss"))
+  r, sr = statistics.mean(column("mxfp4_last1", "eval_loss")), statistics.stdev(column("mxfp4_last1", "eval_loss"))
+  t, st = statistics.mean(column("mxfp4_last1", "train_loss")), statistics.stdev(column("mxfp4_last1", "train_loss"))
+  assert t == pytest.approx(3.1 + 0.013 / 2 + (1 + 1 / 2 + 1 / 3) / 3)  # final train loss: mean of the 3 logged
   gap, err = 100 * (r - b) / b, 100 * math.sqrt(sb ** 2 / 2 + sr ** 2 / 2) / b
-  row = next(line for line in table_before.splitlines() if line.startswith("| mxfp4_last1 |"))
-  assert row == (f"| mxfp4_last1 | mxfp4 | last 1 | 2 | 0.0M | {statistics.mean(trains['mxfp4_last1']):.4f} ± "
-                 f"{statistics.stdev(trains['mxfp4_last1']):.4f} | {r:.4f} ± {sr:.4f} | {r - b:+.4f} | "
-                 f"{gap:+.2f}% ± {err:.2f} | {statistics.mean([recs[f'mxfp4_last1-seed{s}']['tokens_per_s'] for s in (0, 1)]):,.0f} |")
-  assert f"| bf16 | bf16 | none | 2 | 0.0M | " in table_before
-  assert f"{b:.4f} ± {sb:.4f} | — | baseline (seed spread {100 * sb / b:.2f}%)" in table_before
+  rate = statistics.mean(column("mxfp4_last1", "tokens_per_s"))
+  assert (f"| mxfp4_last1 | mxfp4 | last 1 | 2 | 0.0M | {t:.4f} ± {st:.4f} | {r:.4f} ± {sr:.4f} | {r - b:+.4f} | "
+          f"{gap:+.2f}% ± {err:.2f} | {rate:,.0f} |") in table
+  assert f"| bf16 | bf16 | none | 2 | 0.0M | " in table
+  assert f"{b:.4f} ± {sb:.4f} | — | baseline (seed spread {100 * sb / b:.2f}%) |" in table
   report = {x["name"]: x for x in json.loads((results / "report.json").read_text())}
-  assert report["mxfp4_last1"]["gap_pct"] == pytest.approx(gap) and report["mxfp4_last1"]["gap_err_pct"] == \
-      pytest.approx(err)
+  assert report["mxfp4_last1"]["gap_pct"] == pytest.approx(gap)
+  assert report["mxfp4_last1"]["gap_err_pct"] == pytest.approx(err)
 
   # --report alone rewrites the same report from the records.
   (results / study_report.TABLE).unlink()
   assert study.main(["--config", path, "--report"]) == 0
-  assert (results / study_report.TABLE).read_text() == table_before
+  assert (results / study_report.TABLE).read_text() == table
   assert "| mxfp4_last1 | mxfp4 |" in capsys.readouterr().out
+
+
+def test_a_diverged_run_is_recorded_and_fails_the_call(tmp_path, monkeypatch, capsys):
+  path = _study_file(tmp_path, seeds={"bf16": 1, "default": 2})
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls, diverge="mxfp4_last1-seed1"))
+  assert study.main(["--config", path]) == 1
+  assert "1 run(s) diverged: ['mxfp4_last1-seed1']" in capsys.readouterr().err
+  recs = _records(tmp_path / "results")
+  assert recs["mxfp4_last1-seed1"]["status"].startswith("[mxfp4] loss is nan at step 3")
+  assert "| mxfp4_last1 | mxfp4 | last 1 | 1 (1 diverged) |" in (tmp_path / "results" / study_report.TABLE).read_text()
+  assert study.main(["--config", path]) == 0 and len(calls) == 3  # recorded: not run again
 
 
 def test_report_counts_diverged_runs_and_needs_two_seeds_for_a_spread(tmp_path):
