@@ -51,18 +51,20 @@ def test_errors(override, match):
 
 
 def test_shipped_configs_resolve():
-  """Every configs/*.yaml loads, and its model preset and route rules resolve (no model is built)."""
-  from train import train
+  """Every configs/*.yaml loads (a study config: every run's config), and its model preset and route rules resolve
+  (no model is built)."""
+  from train import study, train
   paths = sorted(glob.glob("configs/*.yaml"))
-  assert "configs/cpu_compare.yaml" in paths
+  assert "configs/cpu_compare.yaml" in paths and "configs/study_30m.yaml" in paths
   vocab = {"byte": 257, "gpt2": 50257, "sentencepiece": 32000}
   for p in paths:
-    cfg = config.load_config(p)
-    lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
-    assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
-    for route in cfg.run.routes or (cfg.route,):
-      train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
-    assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
+    cfgs = [r.cfg for r in study.load(p).runs] if "study" in config.read_yaml(p) else [config.load_config(p)]
+    for cfg in cfgs:
+      lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
+      assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
+      for route in cfg.run.routes or (cfg.route,):
+        train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
+      assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
 
 
 def test_kernels_section_reaches_every_linear():
