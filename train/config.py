@@ -188,6 +188,11 @@ class Config:
     _check_route("route", self.route)
     for i, name in enumerate(self.run.routes):
       _check_route(f"run.routes[{i}]", name)
+    from fp4jax.nn.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
+    n_layers = LlamaConfig.preset(self.model.preset, **self.model.overrides).n_layers  # checked by ModelConfig
+    if self.rules.bf16_first + self.rules.bf16_last > n_layers:
+      raise ConfigError(f"rules.bf16_first={self.rules.bf16_first} + rules.bf16_last={self.rules.bf16_last} "
+                        f"blocks in bf16 is more than the model's {n_layers} blocks")
 
 
 def _check_route(where: str, name: str) -> None:

@@ -170,6 +170,8 @@ def test_subsample_keeps_the_ends():
     ("run.steps=10", r"run.steps cannot be set in a study config: study.tokens sets it"),
     ("run.routes=[bf16]", r"run.routes cannot be set in a study config"),
     ("optim.lr=-1", r"optim.lr=-1.0 must be a finite number > 0"),
+    ("study.routes=[bf16, {name: a, route: nvfp4, rules: {bf16_first: 2, bf16_last: 1}}]",
+     r"study.routes\[1\] \(a\): rules.bf16_first=2 \+ rules.bf16_last=1 blocks in bf16 is more than the model's 2"),
 ])
 def test_bad_study_configs(tmp_path, override, match):
   with pytest.raises(ConfigError, match=match):
