@@ -94,11 +94,13 @@ class Run:
 
 @dataclasses.dataclass(frozen=True)
 class Study:
+  """A loaded study: its settings, its entries in config order, and every (entry, seed) run with its config."""
   settings: Settings
   entries: tuple[Entry, ...]
   runs: tuple[Run, ...]
 
   def record_path(self, run: Run) -> str:
+    """Where `run`'s record goes (and, when it exists, why the run is skipped)."""
     return os.path.join(self.settings.results, study_report.RUNS_DIR, f"{run.key}.json")
 
 
