@@ -95,6 +95,10 @@ def _blocks(rules: dict[str, Any]) -> str:
   return ", ".join(parts) or "none"
 
 
+def _tokens(n: int) -> str:
+  return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+
+
 def format_table(rows: list[dict[str, Any]], baseline: str) -> str:
   """The Markdown table of `summarize` rows (the statistics are defined in this module's docstring)."""
   lines = ["| " + " | ".join(c.format(b=baseline) for c in COLUMNS) + " |", "|---|---|---|" + "---:|" * 7]
@@ -108,7 +112,7 @@ def format_table(rows: list[dict[str, Any]], baseline: str) -> str:
           f"{r['gap_err_pct']:.2f}" if r["gap_err_pct"] is not None else "n/a")
       delta = "n/a" if r["delta"] is None else f"{r['delta']:+.4f}"
     runs = f"{r['ok']}" + (f" ({r['runs'] - r['ok']} diverged)" if r["runs"] > r["ok"] else "")
-    cells = [r["name"], r["route"], _blocks(r["rules"]), runs, " / ".join(f"{t / 1e6:.1f}M" for t in r["tokens"]),
+    cells = [r["name"], r["route"], _blocks(r["rules"]), runs, " / ".join(map(_tokens, r["tokens"])),
              _pm(r["train_mean"], r["train_spread"]), _pm(r["eval_mean"], r["eval_spread"]), delta, gap,
              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"]
     lines.append("| " + " | ".join(cells) + " |")

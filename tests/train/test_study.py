@@ -56,7 +56,7 @@ def test_one_run_trains_and_is_recorded(tmp_path):
   assert r["train_loss"] > 0 and r["eval_loss"] > 0 and r["tokens_per_s"] > 0 and r["device"] and r["commit"]
   assert r["config"]["run"]["out_dir"] == str(tmp_path / "scratch" / "bf16-seed1")
   assert os.path.isdir(tmp_path / "scratch" / "bf16-seed1" / "ckpt")
-  assert "| bf16 | bf16 | none | 1 | 0.0M |" in (results / study_report.TABLE).read_text()
+  assert "| bf16 | bf16 | none | 1 | 768 |" in (results / study_report.TABLE).read_text()
 
 
 def _fake_run_all(calls: list[str], diverge: str = ""):
@@ -104,9 +104,9 @@ def test_study_resumes_and_reports(tmp_path, monkeypatch, capsys):
   assert t == pytest.approx(3.1 + 0.013 / 2 + (1 + 1 / 2 + 1 / 3) / 3)  # final train loss: mean of the 3 logged
   gap, err = 100 * (r - b) / b, 100 * math.sqrt(sb ** 2 / 2 + sr ** 2 / 2) / b
   rate = statistics.mean(column("mxfp4_last1", "tokens_per_s"))
-  assert (f"| mxfp4_last1 | mxfp4 | last 1 | 2 | 0.0M | {t:.4f} ± {st:.4f} | {r:.4f} ± {sr:.4f} | {r - b:+.4f} | "
+  assert (f"| mxfp4_last1 | mxfp4 | last 1 | 2 | 768 | {t:.4f} ± {st:.4f} | {r:.4f} ± {sr:.4f} | {r - b:+.4f} | "
           f"{gap:+.2f}% ± {err:.2f} | {rate:,.0f} |") in table
-  assert f"| bf16 | bf16 | none | 2 | 0.0M | " in table
+  assert "| bf16 | bf16 | none | 2 | 768 | " in table
   assert f"{b:.4f} ± {sb:.4f} | — | baseline (seed spread {100 * sb / b:.2f}%) |" in table
   report = {x["name"]: x for x in json.loads((results / "report.json").read_text())}
   assert report["mxfp4_last1"]["gap_pct"] == pytest.approx(gap)
