@@ -188,6 +188,11 @@ class Config:
     _check_route("route", self.route)
     for i, name in enumerate(self.run.routes):
       _check_route(f"run.routes[{i}]", name)
+    from fp4jax.nn.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
+    n_layers = LlamaConfig.preset(self.model.preset, **self.model.overrides).n_layers  # checked by ModelConfig
+    if self.rules.bf16_first + self.rules.bf16_last > n_layers:
+      raise ConfigError(f"rules.bf16_first={self.rules.bf16_first} + rules.bf16_last={self.rules.bf16_last} "
+                        f"blocks in bf16 is more than the model's {n_layers} blocks")
 
 
 def _check_route(where: str, name: str) -> None:
@@ -196,13 +201,14 @@ def _check_route(where: str, name: str) -> None:
     raise ConfigError(f"{where}={name!r} is not a route; routes: {list(route_lib.PRESETS)}")
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-  """Converts a YAML/CLI value to type `tp` or raises ConfigError naming the key."""
+def convert(value: Any, tp: Any, where: str) -> Any:
+  """Converts a YAML/CLI value to type `tp` (a field type: scalar, tuple, dict or config dataclass) or raises
+  ConfigError naming the key `where`."""
   origin = typing.get_origin(tp)
   if dataclasses.is_dataclass(tp):
     if not isinstance(value, dict):
       raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-    return _build(tp, value, where)
+    return build(tp, value, where)
   if origin is dict:
     if not isinstance(value, dict):
       raise ConfigError(f"{where}: expected a mapping, got {value!r}")
@@ -213,7 +219,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
       value = [value]
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{where}: expected a list, got {value!r}")
-    return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    return tuple(convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
   if tp is bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
       return value.lower() == "true"
@@ -247,7 +253,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
   raise TypeError(f"{where}: unsupported field type {tp}")
 
 
-def _build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
+def build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
   unknown = sorted(set(raw) - set(names))
@@ -255,7 +261,7 @@ def _build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
     prefix = f"{where}." if where else ""
     raise ConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; valid keys in "
                       f"{where or 'the top level'}: {names}")
-  kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
+  kwargs = {k: convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
   return cls(**kwargs)
 
 
@@ -278,14 +284,24 @@ def _set_dotted(raw: dict[str, Any], assignment: str) -> None:
   node[parts[-1]] = value
 
 
-def from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+def with_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
+  """A copy of the raw (YAML) tree with each dotted `key.sub=value` override applied; nothing is checked yet."""
   raw = _deepcopy(raw)
   for o in overrides:
     _set_dotted(raw, o)
-  return _build(Config, raw)
+  return raw
+
+
+def from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
+  return build(Config, with_overrides(raw, overrides))
 
 
 def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
+  return from_dict(read_yaml(path), overrides)
+
+
+def read_yaml(path: str | None) -> dict[str, Any]:
+  """The raw tree of a config file ({} for no file); a missing or malformed file is a one-line ConfigError."""
   raw: dict[str, Any] = {}
   if path:
     try:
@@ -300,7 +316,7 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
       raise ConfigError(f"{where}: malformed YAML ({what}); fix that line") from e
     if not isinstance(raw, dict):
       raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-  return from_dict(raw, overrides)
+  return raw
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

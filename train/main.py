@@ -10,8 +10,14 @@ import argparse
 import os
 import sys
 import traceback
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from train.errors import UserError
+
+if TYPE_CHECKING:
+  from train.config import Config
 
 EXIT_FAILED_RUN = 1
 EXIT_USER_ERROR = 2
@@ -25,18 +31,22 @@ def main(argv: list[str] | None = None) -> int:
                  help="dotted override, repeatable: --set optim.lr=1e-3 --set route=nvfp4")
   p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/run-directory error too")
   args = p.parse_args(argv)
+  return guarded(p.prog, args.debug, lambda: _run(args))
+
+
+def guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
+  """`body()`'s exit status, or EXIT_USER_ERROR after printing a UserError as one line (`debug`: with traceback)."""
   try:
-    return _run(args)
+    return body()
   except UserError as e:
-    if args.debug:
+    if debug:
       traceback.print_exc()
-    print(f"{p.prog}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    print(f"{prog}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     return EXIT_USER_ERROR
 
 
-def _run(args: argparse.Namespace) -> int:
-  from train import config
-  cfg = config.load_config(args.config, args.set)  # every key and value checked before JAX starts
+def start_jax(cfg: Config) -> types.ModuleType:
+  """Imports JAX with this run's XLA flags and compilation cache (and multi-host set-up); returns the module."""
   import jax
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
@@ -44,6 +54,13 @@ def _run(args: argparse.Namespace) -> int:
   platform.enable_compilation_cache(cache)
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
+  return jax
+
+
+def _run(args: argparse.Namespace) -> int:
+  from train import config
+  cfg = config.load_config(args.config, args.set)  # every key and value checked before JAX starts
+  jax = start_jax(cfg)
   from train import metrics, train
   try:
     rows = train.run_all(cfg)

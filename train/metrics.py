@@ -71,6 +71,13 @@ class MetricsLogger:
     self._tb.close()
 
 
+def write_json(path: str, obj: Any) -> None:
+  """Writes `obj` as indented JSON through a temporary file and a rename: never a half-written file."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """metrics.jsonl records; on resume the file holds repeated steps, so the last record per (kind, step) wins."""
   latest: dict[tuple[str, int], dict[str, Any]] = {}
@@ -82,6 +89,14 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
 
 
+def pyplot():
+  """matplotlib.pyplot on the non-interactive Agg backend (files only; no display needed)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
 def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str = "") -> bool:
   """One PNG: train loss (solid) and held-out loss (dots) per route, from read_jsonl records.
 
@@ -89,10 +104,7 @@ def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str =
   """
   if not any(r["kind"] in ("train", "eval") for records in curves.values() for r in records):
     return False
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(8, 5))
   for i, (name, records) in enumerate(curves.items()):
     color = f"C{i}"

@@ -388,14 +388,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
     metrics.plot_losses(curves, os.path.join(r.out_dir, "loss.png"), title=label)
-    _write_json(os.path.join(r.out_dir, RESULT_FILE), row)  # a rerun reports this instead of re-deriving it
+    metrics.write_json(os.path.join(r.out_dir, RESULT_FILE), row)  # a rerun reports this instead of re-deriving it
   return {**row, "losses": rec.losses}
-
-
-def _write_json(path: str, obj: Any) -> None:
-  with open(path + ".tmp", "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(path + ".tmp", path)  # never a half-written file
 
 
 RESULT_FILE = "result.json"
@@ -487,7 +481,7 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
     table = metrics.format_table(rows)
     with open(os.path.join(cfg.run.out_dir, "table.md"), "w") as f:
       f.write(table + "\n")
-    _write_json(os.path.join(cfg.run.out_dir, "summary.json"), [{k: v for k, v in r.items() if k != "losses"}
+    metrics.write_json(os.path.join(cfg.run.out_dir, "summary.json"), [{k: v for k, v in r.items() if k != "losses"}
                                                                  for r in rows])
     if compare:
       curves = {name: metrics.read_jsonl(p) for name in routes

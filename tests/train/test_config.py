@@ -44,6 +44,7 @@ def test_yaml_and_overrides(tmp_path):
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
     ("optim.warmup=-5", r"optim.warmup=-5 must be >= 0"),
+    ("rules.bf16_last=3", r"rules.bf16_first=0 \+ rules.bf16_last=3 blocks in bf16 is more than the model's 2 blocks"),
 ])
 def test_errors(override, match):
   with pytest.raises(config.ConfigError, match=match):
@@ -51,18 +52,20 @@ def test_errors(override, match):
 
 
 def test_shipped_configs_resolve():
-  """Every configs/*.yaml loads, and its model preset and route rules resolve (no model is built)."""
-  from train import train
+  """Every configs/*.yaml loads (a study config: every run's config), and its model preset and route rules resolve
+  (no model is built)."""
+  from train import study, train
   paths = sorted(glob.glob("configs/*.yaml"))
-  assert "configs/cpu_compare.yaml" in paths
+  assert "configs/cpu_compare.yaml" in paths and "configs/study_30m.yaml" in paths
   vocab = {"byte": 257, "gpt2": 50257, "sentencepiece": 32000}
   for p in paths:
-    cfg = config.load_config(p)
-    lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
-    assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
-    for route in cfg.run.routes or (cfg.route,):
-      train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
-    assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
+    cfgs = [r.cfg for r in study.load(p).runs] if "study" in config.read_yaml(p) else [config.load_config(p)]
+    for cfg in cfgs:
+      lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
+      assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
+      for route in cfg.run.routes or (cfg.route,):
+        train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
+      assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
 
 
 def test_kernels_section_reaches_every_linear():

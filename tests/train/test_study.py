@@ -1,0 +1,190 @@
+"""The route-quality study (`python -m train.study`) on a tiny Llama (float32, CPU, 3 steps a run): one record per
+run, --only, resuming by skipping recorded runs, the report's numbers against the records, and config mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+import pytest
+import yaml
+
+from train import study, study_report, train
+from train.config import ConfigError
+from train.main import EXIT_USER_ERROR
+
+TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
+RUN_KEYS = ["bf16-seed0", "bf16-seed1", "mxfp4_last1-seed0", "mxfp4_last1-seed1"]
+
+
+def _study_file(tmp_path, **study_keys) -> str:
+  """A tiny study config: 2 entries (bf16; mxfp4 with its last block in bf16) x 2 seeds, 3 steps of 8 x 32."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_bytes(TEXT)
+  raw = {"model": {"preset": "tiny", "dtype": "float32"},
+         "data": {"sources": [str(corpus)], "seq_len": 32, "batch_size": 8, "eval_fraction": 0.1, "workers": 1,
+                  "cache_dir": str(tmp_path / "cache")},
+         "optim": {"lr": 1e-2, "warmup": 1},
+         "run": {"eval_every": 0, "eval_batches": 2, "log_every": 1, "progress": False,
+                 "out_dir": str(tmp_path / "scratch")},
+         "study": {"routes": ["bf16", {"name": "mxfp4_last1", "route": "mxfp4", "rules": {"bf16_last": 1}}],
+                   "seeds": 2, "tokens": 3 * 8 * 32 - 100, "results": str(tmp_path / "results"), "curve_points": 2,
+                   **study_keys}}
+  path = tmp_path / "study.yaml"
+  path.write_text(yaml.safe_dump(raw))
+  return str(path)
+
+
+def _records(results) -> dict[str, dict]:
+  return {p.stem: json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json"))}
+
+
+def test_one_run_trains_and_is_recorded(tmp_path):
+  """--only trains just the named run (for real: tiny Llama, 3 steps) and records it; its checkpoints stay in the
+  scratch directory."""
+  path = _study_file(tmp_path)
+  results = tmp_path / "results"
+  assert study.main(["--config", path, "--only", "bf16:1"]) == 0
+  recs = _records(results)
+  assert list(recs) == ["bf16-seed1"]
+  r = recs["bf16-seed1"]
+  assert r["status"] == "ok" and r["route"] == "bf16" and r["rules"]["bf16_last"] == 0 and r["seed"] == 1
+  assert r["steps"] == 3 and r["tokens"] == 768  # ceil(668 / 256) steps of 8 x 32 tokens
+  assert r["curve"]["step"] == [1, 3] and r["final_logged"] == 3  # 3 logged, subsampled to 2: first and last
+  assert r["train_loss"] > 0 and r["eval_loss"] > 0 and r["tokens_per_s"] > 0 and r["device"] and r["commit"]
+  assert r["config"]["run"]["out_dir"] == str(tmp_path / "scratch" / "bf16-seed1")
+  assert os.path.isdir(tmp_path / "scratch" / "bf16-seed1" / "ckpt")
+  assert "| bf16 | bf16 | none | 1 | 768 |" in (results / study_report.TABLE).read_text()
+
+
+def _fake_run_all(calls: list[str], diverge: str = ""):
+  """A stand-in for train.run_all: writes a metrics.jsonl whose losses depend on the route and seed, returns a row."""
+  def run_all(cfg, *, log=None):
+    key = os.path.basename(cfg.run.out_dir)
+    calls.append(key)
+    base = 3.0 + 0.1 * (cfg.route != "bf16") + 0.013 * cfg.run.seed ** 2
+    os.makedirs(cfg.run.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.run.out_dir, "metrics.jsonl"), "w") as f:
+      for step in range(1, cfg.run.steps + 1):
+        f.write(json.dumps({"step": step, "kind": "train", "route": cfg.route, "loss": base + 1 / step}) + "\n")
+    if key == diverge:
+      raise train.NonFiniteLossError(f"[{cfg.route}] loss is nan at step 3; stopped. No checkpoint was saved yet.")
+    return [{"route": cfg.route, "steps": cfg.run.steps, "eval_loss": base + 0.2 + 0.01 * (cfg.route == "bf16"),
+             "tokens_per_s": 1000.0 + cfg.run.seed, "compile_s": 1.0, "first_step_s": 2.0, "peak_bytes": 2 ** 20,
+             "peak_kind": "host RSS", "status": "ok"}]
+  return run_all
+
+
+def test_study_resumes_and_reports(tmp_path, monkeypatch, capsys):
+  path = _study_file(tmp_path)
+  results = tmp_path / "results"
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls))
+  assert study.main(["--config", path, "--only", "bf16:1"]) == 0 and calls == ["bf16-seed1"]
+  assert study.main(["--config", path]) == 0  # the other three
+  assert calls == ["bf16-seed1", "bf16-seed0", "mxfp4_last1-seed0", "mxfp4_last1-seed1"]
+  recs = _records(results)
+  assert list(recs) == RUN_KEYS and all(r["status"] == "ok" and r["steps"] == 3 for r in recs.values())
+
+  # A rerun trains nothing: every run has its record.
+  monkeypatch.setattr(train, "run_all", lambda *a, **k: pytest.fail("a recorded run was trained again"))
+  table = (results / study_report.TABLE).read_text()
+  assert study.main(["--config", path]) == 0
+  assert _records(results) == recs and (results / study_report.TABLE).read_text() == table
+  assert all((results / f).stat().st_size > 1000 for f in ("curves.png", "gap.png"))
+
+  # The table holds what the records give by hand: mean ± sample std over seeds, gap vs bf16 in %.
+  def column(name, key):
+    return [recs[f"{name}-seed{s}"][key] for s in (0, 1)]
+  b, sb = statistics.mean(column("bf16", "eval_loss")), statistics.stdev(column("bf16", "eval_loss"))
+  r, sr = statistics.mean(column("mxfp4_last1", "eval_loss")), statistics.stdev(column("mxfp4_last1", "eval_loss"))
+  t, st = statistics.mean(column("mxfp4_last1", "train_loss")), statistics.stdev(column("mxfp4_last1", "train_loss"))
+  assert t == pytest.approx(3.1 + 0.013 / 2 + (1 + 1 / 2 + 1 / 3) / 3)  # final train loss: mean of the 3 logged
+  gap, err = 100 * (r - b) / b, 100 * math.sqrt(sb ** 2 / 2 + sr ** 2 / 2) / b
+  rate = statistics.mean(column("mxfp4_last1", "tokens_per_s"))
+  assert (f"| mxfp4_last1 | mxfp4 | last 1 | 2 | 768 | {t:.4f} ± {st:.4f} | {r:.4f} ± {sr:.4f} | {r - b:+.4f} | "
+          f"{gap:+.2f}% ± {err:.2f} | {rate:,.0f} |") in table
+  assert "| bf16 | bf16 | none | 2 | 768 | " in table
+  assert f"{b:.4f} ± {sb:.4f} | — | baseline (seed spread {100 * sb / b:.2f}%) |" in table
+  report = {x["name"]: x for x in json.loads((results / "report.json").read_text())}
+  assert report["mxfp4_last1"]["gap_pct"] == pytest.approx(gap)
+  assert report["mxfp4_last1"]["gap_err_pct"] == pytest.approx(err)
+
+  # --report alone rewrites the same report from the records.
+  (results / study_report.TABLE).unlink()
+  assert study.main(["--config", path, "--report"]) == 0
+  assert (results / study_report.TABLE).read_text() == table
+  assert "| mxfp4_last1 | mxfp4 |" in capsys.readouterr().out
+
+
+def test_a_diverged_run_is_recorded_and_fails_the_call(tmp_path, monkeypatch, capsys):
+  path = _study_file(tmp_path, seeds={"bf16": 1, "default": 2})
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls, diverge="mxfp4_last1-seed1"))
+  assert study.main(["--config", path]) == 1
+  assert "1 run(s) diverged: ['mxfp4_last1-seed1']" in capsys.readouterr().err
+  recs = _records(tmp_path / "results")
+  assert recs["mxfp4_last1-seed1"]["status"].startswith("[mxfp4] loss is nan at step 3")
+  assert "| mxfp4_last1 | mxfp4 | last 1 | 1 (1 diverged) |" in (tmp_path / "results" / study_report.TABLE).read_text()
+  assert study.main(["--config", path]) == 0 and len(calls) == 3  # recorded: not run again
+
+
+def test_report_counts_diverged_runs_and_needs_two_seeds_for_a_spread(tmp_path):
+  rec = {"route": "bf16", "rules": {"bf16_first": 0, "bf16_last": 0, "extra": []}, "tokens": 1000,
+         "tokens_per_s": 10.0, "train_loss": 3.0, "status": "ok"}
+  records = [{**rec, "name": "bf16", "seed": 0, "eval_loss": 4.0}, {**rec, "name": "bf16", "seed": 1, "eval_loss": 4.2},
+             {**rec, "name": "x", "route": "nvfp4", "seed": 0, "eval_loss": 4.4},
+             {**rec, "name": "x", "route": "nvfp4", "seed": 1, "eval_loss": None, "status": "loss is nan at step 2"}]
+  rows = {r["name"]: r for r in study_report.summarize(records, ["bf16", "x"], "bf16")}
+  assert rows["x"]["ok"] == 1 and rows["x"]["runs"] == 2 and rows["x"]["eval_spread"] is None
+  assert rows["x"]["gap_pct"] == pytest.approx(100 * (4.4 - 4.1) / 4.1) and rows["x"]["gap_err_pct"] is None
+  table = study_report.format_table(list(rows.values()), "bf16")
+  assert "| x | nvfp4 | none | 1 (1 diverged) |" in table and "4.4000 ± n/a | +0.3000 | +7.32% ± n/a |" in table
+
+
+def test_subsample_keeps_the_ends():
+  points = list(range(1000))
+  out = study.subsample(points, 200)
+  assert len(out) <= 200 and out[0] == 0 and out[-1] == 999 and out == sorted(out)
+  assert study.subsample(points[:5], 200) == points[:5]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("study.routes=[bf16, nope]", r"study.routes\[1\] \(nope\): route='nope' is not a route; routes: \["),
+    ("study.routes=[bf16, {route: nvfp4, rules: {bf16_lst: 2}}]",
+     r"study.routes\[1\] \(nvfp4\): unknown key\(s\) \['rules.bf16_lst'\]"),
+    ("study.routes=[bf16, {name: a, rules: {bf16_last: 1}}]", r"study.routes\[1\]: names no route"),
+    ("study.routes=[bf16, {name: bf16, route: nvfp4}]", r"study.routes\[1\]: name 'bf16' is used twice"),
+    ("study.routes=[bf16, {name: 'a b', route: nvfp4}]", r"name 'a b' must be letters, digits"),
+    ("study.routes=[bf16, {route: nvfp4, colour: red}]", r"unknown key\(s\) \['study.routes\[1\].colour'\]"),
+    ("study.routes=[]", r"study.routes: expected a non-empty list"),
+    ("study.seeds={bf16: 3}", r"study.seeds gives no count for \['mxfp4_last1'\]: add them or a default"),
+    ("study.seeds={bf16: 3, mxfp4: 2, default: 1}", r"study.seeds names \['mxfp4'\], which are not entries"),
+    ("study.seeds=0", r"study.seeds.bf16=0 must be >= 1"),
+    ("study.tokens=-5", r"study.tokens=-5.0 must be a finite number > 0"),
+    ("study.tokens=lots", r"study.tokens: expected a number, got 'lots'"),
+    ("study.baseline=fp32", r"study.baseline='fp32' is not an entry of study.routes"),
+    ("study.colour=red", r"unknown key\(s\) \['study.colour'\]; valid keys in study: \['routes'"),
+    ("run.steps=10", r"run.steps cannot be set in a study config: study.tokens sets it"),
+    ("run.routes=[bf16]", r"run.routes cannot be set in a study config"),
+    ("optim.lr=-1", r"optim.lr=-1.0 must be a finite number > 0"),
+    ("study.routes=[bf16, {name: a, route: nvfp4, rules: {bf16_first: 2, bf16_last: 1}}]",
+     r"study.routes\[1\] \(a\): rules.bf16_first=2 \+ rules.bf16_last=1 blocks in bf16 is more than the model's 2"),
+])
+def test_bad_study_configs(tmp_path, override, match):
+  with pytest.raises(ConfigError, match=match):
+    study.load(_study_file(tmp_path), [override])
+
+
+def test_mistakes_are_one_line_exit_2(tmp_path, capsys):
+  path = _study_file(tmp_path)
+  assert study.main(["--config", path, "--only", "bf16:7"]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and err.startswith("python -m train.study: error: --only 'bf16:7' names no run")
+  assert "'bf16:0', 'bf16:1', 'mxfp4_last1:0', 'mxfp4_last1:1'" in err
+  (tmp_path / "plain.yaml").write_text("route: bf16\n")
+  assert study.main(["--config", str(tmp_path / "plain.yaml")]) == EXIT_USER_ERROR
+  assert "has no study: section" in capsys.readouterr().err
+  assert not (tmp_path / "results").exists()  # nothing written before the config is right
