@@ -28,7 +28,7 @@ from fp4jax.dot import fp4_dot, padding_multiples
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.reference import decode_scales, dequantize
-from fp4jax.numerics.spec import OperandSpec
+from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.api import quantize_operand
 from fp4jax.route import Route
 
@@ -81,7 +81,8 @@ def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, 
   """
   if not spec.quantized:
     return {"rel_sq_error": 0.0, "zero_fraction": 0.0, "clip_fraction": 0.0}
-  err, norm, zeros, nonzeros, clipped = _operand_sums(v, v if source is None else source, key, spec, axis, role)
+  keys = route_lib.operand_keys(spec, key, role)
+  err, norm, zeros, nonzeros, clipped = _operand_sums(v, v if source is None else source, keys, spec, axis)
   return {
       "rel_sq_error": float(err / norm) if norm > 0 else 0.0,
       "zero_fraction": float(zeros / max(nonzeros, 1)),
@@ -89,11 +90,10 @@ def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, 
   }
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "axis", "role"))
-def _operand_sums(v: jax.Array, source: jax.Array, key: jax.Array, spec: OperandSpec, axis: int,
-                  role: str) -> tuple[jax.Array, ...]:
+@functools.partial(jax.jit, static_argnames=("spec", "axis"))
+def _operand_sums(v: jax.Array, source: jax.Array, keys: OperandKeys, spec: OperandSpec,
+                  axis: int) -> tuple[jax.Array, ...]:
   """(squared error, squared norm of T(v), zero codes of nonzero T(v), nonzero T(v), clipped elements)."""
-  keys = route_lib.operand_keys(spec, key, role)
   q = quantize_operand(source, spec, axis, keys, implementation="xla")
   t = v if spec.transform is None else hadamard(v, spec.transform, axis=axis, key=keys.transform)
   tk = jnp.moveaxis(t, axis, -1)  # K-major, as the codes
