@@ -104,39 +104,53 @@ def _operand_sums(v: jax.Array, source: jax.Array, keys: OperandKeys, spec: Oper
           jnp.sum(jnp.where(nonzero, ratio, 0.0) > E2M1_MAX))
 
 
+@functools.partial(jax.jit, static_argnames=("route",))
 def _products(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route, keys: jax.Array) -> dict[str, jax.Array]:
-  """{gemm: [S, ...] products}: fp4_dot's Y, and its vjp's dX and dW for cotangent dy, one per key."""
+  """{gemm: [S, ...] products}: fp4_dot's Y, and its vjp's dX and dW for cotangent dy, one per key (vmapped)."""
 
   def one(key):
     y, vjp = jax.vjp(lambda a, b: fp4_dot(a, b, route=route, key=key, out_dtype=jnp.float32), x, w)
     dx, dw = vjp(dy)
     return {"fprop": y, "dgrad": dx, "wgrad": dw}
 
-  per_key = [one(k) for k in keys]  # fp4_dot's own jitted passes, compiled once per (route, shapes)
-  return {gemm: jnp.stack([p[gemm] for p in per_key]) for gemm in per_key[0]}
+  return jax.vmap(one)(keys)
+
+
+@jax.jit
+def _gemm_sums(products: jax.Array, exact: jax.Array) -> dict[str, jax.Array]:
+  """Norms of products [S, ...] against exact: see `_gemm_metrics`."""
+  flat = products.reshape(products.shape[0], -1)
+  ref = exact.reshape(-1)
+  hi = jax.lax.Precision.HIGHEST
+  norms = jnp.linalg.norm(flat, axis=1)
+  mean = jnp.mean(flat, axis=0)
+  return {
+      "ref_norm": jnp.linalg.norm(ref),
+      "max_abs": jnp.max(jnp.abs(flat)),
+      "cosine_sum": jnp.sum(jnp.where(norms > 0, jnp.dot(flat, ref, precision=hi) / jnp.where(norms > 0, norms, 1.0),
+                                      0.0)),
+      "error": jnp.sqrt(jnp.mean(jnp.sum((flat - ref) ** 2, axis=1))),
+      "bias": jnp.linalg.norm(mean - ref),
+      "spread": jnp.sqrt(jnp.mean(jnp.sum((flat - mean) ** 2, axis=1))),
+  }
 
 
 def _gemm_metrics(products: jax.Array, exact: jax.Array, deterministic: bool) -> dict:
   """Cosine, single-sample error, bias of the mean and its unbiased expectation; see `operand_report`."""
   s = products.shape[0]
-  flat = products.reshape(s, -1)
-  ref = exact.reshape(-1)
-  ref_norm = float(jnp.linalg.norm(ref))
+  sums = {k: float(v) for k, v in _gemm_sums(products, exact).items()}
+  ref_norm = sums["ref_norm"]
   if ref_norm == 0:  # an exact zero product: nothing to be relative to; a zero estimate is exact
-    zero = float(jnp.max(jnp.abs(flat))) == 0
+    zero = sums["max_abs"] == 0
     return {"cosine": 1.0 if zero else 0.0, "rel_error": 0.0 if zero else math.inf, "bias": 0.0 if zero else math.inf,
             "unbiased_bias": 0.0, "spread": 0.0, "deterministic": deterministic, "samples": s}
-  norms = jnp.linalg.norm(flat, axis=1)
-  cosines = jnp.where(norms > 0, (flat @ ref) / jnp.where(norms > 0, norms, 1.0) / ref_norm, 0.0)
-  mean = jnp.mean(flat, axis=0)
-  error = float(jnp.sqrt(jnp.mean(jnp.sum((flat - ref) ** 2, axis=1)))) / ref_norm
-  spread = float(jnp.sqrt(jnp.mean(jnp.sum((flat - mean) ** 2, axis=1)))) / ref_norm
+  error = sums["error"] / ref_norm
   return {
-      "cosine": float(jnp.mean(cosines)),
+      "cosine": sums["cosine_sum"] / (s * ref_norm),
       "rel_error": error,
-      "bias": float(jnp.linalg.norm(mean - ref)) / ref_norm,
+      "bias": sums["bias"] / ref_norm,
       "unbiased_bias": 0.0 if deterministic else error / math.sqrt(s),
-      "spread": spread,
+      "spread": sums["spread"] / ref_norm,
       "deterministic": deterministic,
       "samples": s,
   }
