@@ -218,9 +218,9 @@ def stress_inputs(shape: tuple[int, int], seed: int = 0) -> dict[str, np.ndarray
 
   Kinds (`STRESS_KINDS`): "normal" N(0, 1); "heavy_tailed" Student-t with 2 degrees of freedom (infinite
   variance: rare huge values); "sparse" N(0, 1) with 90% of the elements zero; "zero_blocks" N(0, 1) with
-  about half of the 32x32 tiles all zero (an all-zero block along either axis); "tiny" N(0, 1) * 1e-6 (the
-  scale range of late-training gradients); "outliers" N(0, 1) with one element per row set to +-1e3;
-  "ragged_k" N(0, 1) of shape [R, C'] with C' odd (never a multiple of 16 or 32), which fp4_dot must pad.
+  about half of the 32x32 tiles all zero (an all-zero block along either axis); "tiny" N(0, 1) * 1e-6 (small
+  gradients: the scales must follow the magnitude down); "outliers" N(0, 1) with one element per row set to
+  +-1e3; "ragged_k" N(0, 1) of shape [R, C'] with C' odd (never a multiple of 16 or 32), which fp4_dot must pad.
   """
   rows, cols = shape
   rng = np.random.default_rng(seed)
