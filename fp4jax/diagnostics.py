@@ -104,7 +104,6 @@ def _operand_sums(v: jax.Array, source: jax.Array, keys: OperandKeys, spec: Oper
           jnp.sum(jnp.where(nonzero, ratio, 0.0) > E2M1_MAX))
 
 
-@functools.partial(jax.jit, static_argnames=("route",))
 def _products(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route, keys: jax.Array) -> dict[str, jax.Array]:
   """{gemm: [S, ...] products}: fp4_dot's Y, and its vjp's dX and dW for cotangent dy, one per key (vmapped)."""
 
@@ -116,29 +115,35 @@ def _products(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route, keys: jax
   return jax.vmap(one)(keys)
 
 
-@jax.jit
-def _gemm_sums(products: jax.Array, exact: jax.Array) -> dict[str, jax.Array]:
-  """Norms of products [S, ...] against exact: see `_gemm_metrics`."""
-  flat = products.reshape(products.shape[0], -1)
-  ref = exact.reshape(-1)
+@functools.partial(jax.jit, static_argnames=("route",))
+def _gemm_sums(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route, keys: jax.Array) -> dict[str, dict]:
+  """{gemm: norms of its products over keys against the exact float32 product}, one compiled program for all
+  three GEMMs; `_gemm_metrics` turns them into the report's ratios."""
   hi = jax.lax.Precision.HIGHEST
-  norms = jnp.linalg.norm(flat, axis=1)
-  mean = jnp.mean(flat, axis=0)
-  return {
-      "ref_norm": jnp.linalg.norm(ref),
-      "max_abs": jnp.max(jnp.abs(flat)),
-      "cosine_sum": jnp.sum(jnp.where(norms > 0, jnp.dot(flat, ref, precision=hi) / jnp.where(norms > 0, norms, 1.0),
-                                      0.0)),
-      "error": jnp.sqrt(jnp.mean(jnp.sum((flat - ref) ** 2, axis=1))),
-      "bias": jnp.linalg.norm(mean - ref),
-      "spread": jnp.sqrt(jnp.mean(jnp.sum((flat - mean) ** 2, axis=1))),
-  }
+  exact = {"fprop": jnp.dot(x, w, precision=hi), "dgrad": jnp.dot(dy, w.T, precision=hi),
+           "wgrad": jnp.dot(x.T, dy, precision=hi)}
+  out = {}
+  for gemm, products in _products(x, w, dy, route, keys).items():
+    flat = products.reshape(products.shape[0], -1)
+    ref = exact[gemm].reshape(-1)
+    norms = jnp.linalg.norm(flat, axis=1)
+    mean = jnp.mean(flat, axis=0)
+    cosines = jnp.where(norms > 0, jnp.dot(flat, ref, precision=hi) / jnp.where(norms > 0, norms, 1.0), 0.0)
+    out[gemm] = {
+        "ref_norm": jnp.linalg.norm(ref),
+        "max_abs": jnp.max(jnp.abs(flat)),
+        "cosine_sum": jnp.sum(cosines),
+        "error": jnp.sqrt(jnp.mean(jnp.sum((flat - ref) ** 2, axis=1))),
+        "bias": jnp.linalg.norm(mean - ref),
+        "spread": jnp.sqrt(jnp.mean(jnp.sum((flat - mean) ** 2, axis=1))),
+    }
+  return out
 
 
-def _gemm_metrics(products: jax.Array, exact: jax.Array, deterministic: bool) -> dict:
-  """Cosine, single-sample error, bias of the mean and its unbiased expectation; see `operand_report`."""
-  s = products.shape[0]
-  sums = {k: float(v) for k, v in _gemm_sums(products, exact).items()}
+def _gemm_metrics(sums: dict[str, jax.Array], s: int, deterministic: bool) -> dict:
+  """Cosine, single-sample error, bias of the mean and its unbiased expectation over `s` samples (see
+  `operand_report`) from one GEMM's `_gemm_sums`."""
+  sums = {k: float(v) for k, v in sums.items()}
   ref_norm = sums["ref_norm"]
   if ref_norm == 0:  # an exact zero product: nothing to be relative to; a zero estimate is exact
     zero = sums["max_abs"] == 0
@@ -202,14 +207,11 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
     metrics = operand_metrics(arrays[name], spec, axis, keys[0], role, source)
     rows.append({"route": route.name, "kind": "operand", "name": role, "fmt": spec.fmt or "hp",
                  "rounding": spec.rounding, "transform": spec.transform or "", **metrics})
-  products = _products(x, w, dy, route, keys)
-  hi = jax.lax.Precision.HIGHEST
-  exact = {"fprop": jnp.dot(x, w, precision=hi), "dgrad": jnp.dot(dy, w.T, precision=hi),
-           "wgrad": jnp.dot(x.T, dy, precision=hi)}
+  sums = _gemm_sums(x, w, dy, route, keys)
   for gemm, (_, a, b) in route_lib.GEMMS.items():
     deterministic = not (route.spec(a).needs_key or route.spec(b).needs_key)
     rows.append({"route": route.name, "kind": "gemm", "name": gemm,
-                 **_gemm_metrics(products[gemm], exact[gemm], deterministic)})
+                 **_gemm_metrics(sums[gemm], samples, deterministic)})
   return rows
 
 
