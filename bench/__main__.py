@@ -1,4 +1,4 @@
-"""`python -m bench dot|quantize|compile|program|triton [options]` (`--help` on each)."""
+"""`python -m bench dot|quantize|compile|program|triton|diagnose [options]` (`--help` on each)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from bench import compile as compile_bench
-from bench import dot, program, quantize, triton
+from bench import diagnose, dot, program, quantize, triton
 from fp4jax import platform
 
 # name -> (module with add_args(parser) and run(args), help)
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "compile": (compile_bench, "fp4_dot lower + compile time per route"),
     "program": (program, "hashes of the program fp4_dot lowers to on an H200 (CPU, no GPU needed)"),
     "triton": (triton, "Triton compile time of the Pallas kernels (CPU, no GPU needed)"),
+    "diagnose": (diagnose, "route diagnostics: operand errors, zero and clip fractions, GEMM cosine and bias"),
 }
 
 

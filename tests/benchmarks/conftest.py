@@ -1,5 +1,6 @@
-import jax
 import pytest
+
+from fp4jax import platform
 
 
 @pytest.fixture(autouse=True)
@@ -8,4 +9,4 @@ def _private_compilation_cache(monkeypatch, tmp_path):
   directory, and off again after each test, so tests neither share nor keep entries."""
   monkeypatch.setenv("FP4JAX_CACHE", str(tmp_path / "jax-cache"))
   yield
-  jax.config.update("jax_compilation_cache_dir", None)
+  platform.enable_compilation_cache(None)

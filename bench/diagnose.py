@@ -1,0 +1,129 @@
+"""`python -m bench diagnose`: route diagnostics on a random-init Llama's linears or on synthetic stress inputs.
+
+For each input (a captured linear of `--preset`, or a stress case with `--stress`) and each route, runs
+`fp4jax.diagnostics.operand_report`: per operand role the relative squared quantization error, the zero-code and
+clip fractions; per GEMM the cosine to the exact product, the single-sample relative error, the bias of the mean
+over `--samples` keys and what that bias would be for an unbiased estimator (error / sqrt(samples)). Prints a
+table; `--out DIR` also writes diagnose.json and diagnose.png (mean over inputs per route). Numbers describe the
+inputs they were measured on: a random-init model on random tokens, not a trained one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import numpy as np
+
+from fp4jax import diagnostics
+from fp4jax import route as route_lib
+
+DEFAULT_ROUTES = ("mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2")
+DEFAULT_LINEARS = ("layers.0.attn.q", "layers.0.mlp.down")
+_COLUMNS = (("rel_sq_error", "relsq_err", ".2e"), ("zero_fraction", "zero", ".4f"), ("clip_fraction", "clip", ".4f"),
+            ("cosine", "cosine", ".5f"), ("rel_error", "rel_err", ".4f"), ("bias", "bias", ".4f"),
+            ("unbiased_bias", "unbiased", ".4f"), ("deterministic", "det", ""))
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), help="routes (default: %(default)s)")
+  parser.add_argument("--preset", default="tiny",
+                      help="Llama preset, random init on random tokens (default: %(default)s)")
+  parser.add_argument("--tokens", default="4x64", help="--preset's batch BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--linears", nargs="+", default=list(DEFAULT_LINEARS),
+                      help="module paths of the linears to capture, or 'all' (default: %(default)s)")
+  parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
+  parser.add_argument("--shape", type=int, nargs=3, default=(128, 256, 128), metavar=("M", "K", "N"),
+                      help="--stress's linear shape (default: %(default)s)")
+  parser.add_argument("--samples", type=int, default=16, help="keys the GEMM bias is averaged over (default: 16)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default=None, help="directory for diagnose.json and diagnose.png")
+
+
+def model_inputs(preset: str, tokens: str, linears: list[str], seed: int) -> dict[str, diagnostics.GemmInputs]:
+  """{linear path: (x, w, dy)} of a random-init bf16 Llama of `preset` on uniform random tokens."""
+  from flax import nnx  # The model path only: --stress needs no Flax.
+
+  from fp4jax.nn import RouteRules
+  from fp4jax.nn.diagnostics import capture_linears
+  from fp4jax.nn.llama import Llama, LlamaConfig
+
+  cfg = LlamaConfig.preset(preset)
+  batch, seq = (int(v) for v in tokens.split("x"))
+  model = Llama(cfg, rules=RouteRules.standard("bf16", n_layers=cfg.n_layers), rngs=nnx.Rngs(seed))
+  ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size)
+  return capture_linears(model, ids, None, names=None if linears == ["all"] else linears)
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+  if key not in row:
+    return "-"
+  return ("yes" if row[key] else "no") if isinstance(row[key], bool) else format(row[key], fmt)
+
+
+def table(rows: list[dict]) -> str:
+  """The rows as an aligned text table: input, route, kind, role or GEMM, then the metric columns."""
+  head = ["input", "route", "kind", "name", *(title for _, title, _ in _COLUMNS)]
+  body = [[r["input"], r["route"], r["kind"], r["name"], *(_cell(r, k, f) for k, _, f in _COLUMNS)] for r in rows]
+  widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in [head, *body])
+
+
+def plot(rows: list[dict], path: str) -> bool:
+  """Two panels, means over inputs per route: operand rel. squared error per role, GEMM bias next to the
+  unbiased expectation. Returns False (and writes nothing) when matplotlib is missing."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  routes = list(dict.fromkeys(r["route"] for r in rows))
+  mean = lambda kind, name, route, key: float(np.mean([r[key] for r in rows if (r["kind"], r["name"], r["route"])
+                                                       == (kind, name, route)]))
+  fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+  width = 0.8 / len(routes)
+  roles, gemms = route_lib.ROLES, tuple(route_lib.GEMMS)
+  for i, route in enumerate(routes):
+    left.bar(np.arange(len(roles)) + i * width, [mean("operand", r, route, "rel_sq_error") for r in roles],
+             width, label=route)
+    right.bar(np.arange(len(gemms)) + i * width, [mean("gemm", g, route, "bias") for g in gemms], width,
+              label=route, color=f"C{i}")
+    right.bar(np.arange(len(gemms)) + i * width, [mean("gemm", g, route, "unbiased_bias") for g in gemms], width,
+              fill=False, hatch="//", edgecolor="k")
+  left.set(xticks=np.arange(len(roles)) + 0.4 - width / 2, xticklabels=roles, yscale="log",
+           title="operand ||Q(v) - v||^2 / ||v||^2")
+  right.set(xticks=np.arange(len(gemms)) + 0.4 - width / 2, xticklabels=gemms,
+            title="GEMM bias of the mean over keys (hatched: unbiased expectation)")
+  left.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def run(args: argparse.Namespace) -> None:
+  """Prints the diagnostics table; writes JSON and a plot under --out."""
+  if args.stress:
+    inputs = diagnostics.stress_cases(*args.shape, seed=args.seed)
+    source = f"stress {tuple(args.shape)}"
+  else:
+    inputs = model_inputs(args.preset, args.tokens, args.linears, args.seed)
+    source = f"Llama {args.preset} (random init) on {args.tokens} random tokens"
+  print(f"bench diagnose: {source}, {args.samples} samples, {jax.devices()[0].platform}", flush=True)
+  key = jax.random.key(args.seed)
+  rows = []
+  for name, (x, w, dy) in inputs.items():
+    for route in args.routes:
+      rows += [{"input": name, **row} for row in diagnostics.operand_report(x, w, dy, route, key,
+                                                                            samples=args.samples)]
+  print(table(rows))
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "diagnose.json"), "w") as f:
+      json.dump({"source": source, "samples": args.samples, "rows": rows}, f, indent=1)
+    if not plot(rows, os.path.join(args.out, "diagnose.png")):
+      print("matplotlib is not installed: no plot written")
+    print(f"wrote {args.out}/diagnose.json")
