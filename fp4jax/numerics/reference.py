@@ -270,13 +270,14 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   bad = _unit_nonfinite(xb, cfg) | ~jnp.isfinite(s_enc_b)
   amax_b = jnp.where(bad, 0.0, _unit_max(jnp.abs(xb), cfg))  # [..., nb]
   s_enc_b = jnp.where(bad, 1.0, s_enc_b)
-  outer_b = ieee.div(jnp.float32(1.0), s_enc_b)  # = outer where the unit is finite
+  outer = nvfp4_outer(s_enc)
+  outer_b = jnp.where(bad, 1.0, outer if outer.ndim == 0 else outer[..., None])  # 1 / s_enc_b, divided once
   if spec.four_over_six:
     s_b = _four_over_six(xb, amax_b, s_enc_b, outer_b, cfg, headroom)
   else:
     s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom)
   codes = _encode(_nv_scaled(xb, s_b, outer_b), cfg, u)
-  return _Result(codes, s_b, nvfp4_outer(s_enc), bad)
+  return _Result(codes, s_b, outer, bad)
 
 
 def eden_decode_scale(amax: jax.Array) -> jax.Array:

@@ -137,9 +137,10 @@ def _view_params(amax: jax.Array, rounding: str, step: int, fmt: str) -> tuple[j
   headroom = reference.NV_HEADROOM[rounding]
   s_enc = reference.nvfp4_encode_scale(amax, get_format(fmt).scale_max / headroom)
   outer = reference.nvfp4_outer(s_enc)
-  s = s_enc.reshape(-1)[::step] if s_enc.ndim else s_enc.reshape(1)  # [P]
+  per_program = lambda v: v.reshape(-1)[::step] if v.ndim else v.reshape(1)  # [P]
+  s = per_program(s_enc)
   g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
-  o, shift = ieee.lift(ieee.div(jnp.float32(1.0), s))  # [P]: outer * 2^L, normal
+  o, shift = ieee.lift(per_program(outer))  # [P]: outer * 2^L, normal
   q = ieee.div(jnp.float32(1.0), o[:, None] * jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
   g4 = s * reference.nv_inv_target(4.0, headroom)
   pad = jnp.zeros((s.shape[0], _N_PARAMS - 12), jnp.float32)
