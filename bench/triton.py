@@ -26,26 +26,33 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax, eden, mxfp4, nvfp4
 
-KEY = jax.random.key(0)
-KEYS = OperandKeys(KEY, KEY)
 _MX, _MX_SR = OperandSpec("mxfp4"), OperandSpec("mxfp4", "sr")
 _NV, _NV_SR = OperandSpec("nvfp4"), OperandSpec("nvfp4", "sr")
 _EDEN = OperandSpec("nvfp4", "eden", transform="rht128")
 _W32 = OperandSpec("mxfp4", tile_2d=True, scale_rule="noclip", clip_fraction=0.87)
+
+
+def _keys() -> OperandKeys:
+  """Keys for the kernels that take them, made when a kernel is lowered: a key made at import would start a
+  JAX backend before the app sets XLA_FLAGS (`bench.__main__`)."""
+  key = jax.random.key(0)
+  return OperandKeys(key, key)
+
+
 KERNELS = {
     "mx rne": lambda x: mxfp4.views(x, _MX, _MX),
-    "mx dY sr|rne": lambda x: mxfp4.views(x, _MX_SR, _MX, KEYS),
+    "mx dY sr|rne": lambda x: mxfp4.views(x, _MX_SR, _MX, _keys()),
     "mx X rne|rne+h32": lambda x: mxfp4.views(x, _MX, OperandSpec("mxfp4", transform="h32")),
     "mx w32x32": lambda x: mxfp4.views(x, _W32, _W32),
     "nv rne|rne": lambda x: nvfp4.views(x, _NV, _NV),
     "nv 16x16": lambda x: nvfp4.views(x, OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),
     "nv 4/6": lambda x: nvfp4.views(x, OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),
-    "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), KEYS,
-                                               KEYS),
+    "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
+                                               _keys()),
     # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
-    "eden col rht128": lambda x: eden.operand(x, _EDEN, 0, KEYS, tensor_amax=1.0),
-    "eden row rht128": lambda x: eden.operand(x, _EDEN, 1, KEYS, tensor_amax=1.0),
-    "eden amax rht128": lambda x: amax.rotated_amax(x, "rht128", KEY),
+    "eden col rht128": lambda x: eden.operand(x, _EDEN, 0, _keys(), tensor_amax=1.0),
+    "eden row rht128": lambda x: eden.operand(x, _EDEN, 1, _keys(), tensor_amax=1.0),
+    "eden amax rht128": lambda x: amax.rotated_amax(x, "rht128", jax.random.key(0)),
 }
 
 

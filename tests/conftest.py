@@ -1,8 +1,12 @@
-"""Shared pytest set-up: CPU by default, float32 matmuls at full precision, GPU tests skipped without a GPU."""
+"""Shared pytest set-up: CPU by default, float32 matmuls at full precision, GPU tests skipped without a GPU, and
+the apps' XLA flags (set before the first backend starts, as `python -m train` and `python -m bench` do)."""
 
 import jax
 import pytest
 
+from fp4jax import platform
+
+platform.set_xla_flags()
 jax.config.update("jax_default_matmul_precision", "highest")
 
 

@@ -1,6 +1,7 @@
 """fp4jax.platform: the target platform, the apps' XLA flags and the shared persistent compilation cache."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -73,3 +74,16 @@ def test_cache_off(tmp_path):
     assert path.is_dir() and jax.config.jax_compilation_cache_dir == str(path)
   finally:
     platform.enable_compilation_cache(None)
+
+
+@pytest.mark.parametrize("app", ["bench.__main__", "train.main"])
+def test_importing_an_app_starts_no_backend(app, tmp_path):
+  """The apps set XLA_FLAGS after their imports, and XLA reads it when the first backend starts: an import that
+  starts one (a key or an array made at module level) would silently drop the flags. A dump directory given
+  after the import must therefore still be used."""
+  dump = tmp_path / "dump"
+  code = (f"import os, {app}\nos.environ['XLA_FLAGS'] = '--xla_dump_to={dump}'\nimport jax\n"
+          "jax.jit(lambda x: x + 1)(1.0)\n")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1],
+                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert dump.is_dir() and any(dump.iterdir()), f"importing {app} started a JAX backend"
