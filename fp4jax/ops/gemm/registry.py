@@ -25,9 +25,21 @@ _PREFERENCE: dict[str, tuple[str, ...]] = {
 }
 
 
+# Device kinds by generation, for an abstract GPU mesh (no compute capability to read): lowering for an H200 on
+# a machine without one must pick the backends the H200 itself would.
+_KIND_GENERATION = {"H100": "sm90", "H200": "sm90", "H800": "sm90", "GH200": "sm90", "B200": "sm100",
+                    "B300": "sm100", "GB200": "sm100", "GB300": "sm100"}
+
+
 def device_generation(device: jax.Device | None = None) -> str:
-  """"sm100" (Blackwell and newer), "sm90" (Hopper) or "other" (CPU, TPU, older GPUs) for `device` (default:
-  the first device of JAX's default backend)."""
+  """"sm100" (Blackwell and newer), "sm90" (Hopper) or "other" (CPU, TPU, older GPUs) for `device` (default: the
+  abstract mesh's GPU when one is in use, as `fp4jax.platform.compiles_for_gpu` sees it, else the first device
+  of JAX's default backend)."""
+  if device is None:
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None and abstract.platform == "gpu":
+      words = str(abstract.device_kind).replace("-", " ").split()
+      return next((_KIND_GENERATION[w] for w in words if w in _KIND_GENERATION), "other")
   device = device or jax.devices()[0]
   cc = getattr(device, "compute_capability", None)
   if device.platform != "gpu" or not cc:

@@ -34,6 +34,16 @@ def test_device_generation(platform, cc, want):
   assert gemm.device_generation(_FakeDevice(platform, cc)) == want
 
 
+@pytest.mark.parametrize("kind, want", [("NVIDIA H200", "sm90"), ("NVIDIA GH200 480GB", "sm90"),
+                                        ("NVIDIA B200", "sm100"), ("NVIDIA A100-SXM4-80GB", "other")])
+def test_device_generation_of_an_abstract_gpu_mesh(kind, want):
+  """Lowering for an abstract GPU (`python -m bench program`, `--h200`) picks that GPU's GEMM backends."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=g-import-not-at-top
+  with use_abstract_mesh(AbstractMesh((1,), ("d",), abstract_device=AbstractDevice(kind, 132, "gpu"))):
+    assert gemm.device_generation() == want
+  assert gemm.device_generation() == ("other" if jax.default_backend() == "cpu" else gemm.device_generation())
+
+
 @pytest.mark.parametrize("backend", [n for n in gemm.BACKENDS if n != "emulated"])
 def test_backends_equal_emulated(backend):
   be = gemm.BACKENDS[backend]
