@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from bench import compile as compile_bench
-from bench import diagnose, dot, program, quantize, triton
+from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
 
 # name -> (module with add_args(parser) and run(args), help)
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "dot": (dot, "GEMMs and fp4_dot at Llama-8B shapes vs bf16 and FP8"),
     "quantize": (quantize, "the fused quantizers: bit-exactness and speed against XLA and a copy"),
     "compile": (compile_bench, "fp4_dot lower + compile time per route"),
+    "step": (step, "a whole Llama train step per route: tokens/s, MFU, memory, time by category"),
     "program": (program, "hashes of the program fp4_dot lowers to on an H200 (CPU, no GPU needed)"),
     "triton": (triton, "Triton compile time of the Pallas kernels (CPU, no GPU needed)"),
     "diagnose": (diagnose, "route diagnostics: operand errors, zero and clip fractions, GEMM cosine and bias"),

@@ -23,10 +23,10 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from bench import dot, triton
-from fp4jax import Impl, platform
+from bench.step import llama_step
+from fp4jax import platform
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -68,37 +68,6 @@ def _line(name: str, p: dict) -> str:
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct")
 
 
-def train_step_fn(preset: str, route: str, *, batch: int, seq: int, scan: bool, impl: Impl):
-  """(step(state, tokens, step) -> (state, loss), abstract state, abstract tokens) of a Llama preset with
-  `route` on its blocks' linears: cross-entropy, backward, AdamW, as `python -m train` runs it."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
-  from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
-  cfg = LlamaConfig.preset(preset, max_seq_len=seq)
-  rules = RouteRules.standard(route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
-  tx = optax.adamw(1e-3)
-
-  def create():
-    model = Llama(cfg, rules=rules, rngs=nnx.Rngs(0), impl=impl, dtype=jnp.bfloat16, scan_layers=scan)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(create))
-  base_key = jax.random.key(0)
-
-  def loss_fn(model, tokens, key):
-    logits = model(tokens[:, :-1], key=key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-
-  def step(state, tokens, i):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, jax.random.fold_in(base_key, i))
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
-
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
-  return step, state, jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-
-
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
   if not args.warm:
@@ -109,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
   if args.step:
     batch, seq = (int(v) for v in args.tokens.split("x"))
     for route in args.routes:
-      step, state, tokens = train_step_fn(args.step, route, batch=batch, seq=seq, scan=args.scan, impl=Impl())
+      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan)
       name = f"{args.step} {'scanned' if args.scan else 'unrolled'} {batch}x{seq} {route}"
       print(_line(name, _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200)),
             flush=True)

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from bench import compile as compile_bench
-from bench import dot, program, quantize, triton
+from bench import breakdown, dot, program, quantize, step, triton
 from bench.__main__ import main
 
 
@@ -111,3 +111,53 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
   counts = [re.search(r"(\d+) sites / (\d+) distinct", l).groups() for l in lines]
   assert counts[0] == ("0", "0") and counts[1] == ("9", "9"), counts  # one dual-view kernel per distinct operand
   assert compile_bench.kernel_counts('ir = "a" ir = "b" ir = "a"') == (3, 2)
+
+
+_MODULE = """HloModule jit_train_step
+ENTRY %main {
+  %fp8 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,32]{1,0} %a, f8e4m3fn[8,32]{1,0} %b), custom_call_target="__cublas$lt$matmul$f8"
+  %gemm.2 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%c, %d), custom_call_target="__cublas$gemm"
+  %tg = bf16[8,8]{1,0} fusion(%c, %d), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %fmha = (bf16[1,8,2,64]{3,2,1,0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
+  %pallas_call.3 = (u8[8,16]{1,0}) custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
+  %all-reduce.1 = f32[8]{0} all-reduce(%g), replica_groups={}, to_apply=%add
+  loop_fusion.4 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f2, metadata={op_name="jit(train_step)/jvp(Llama)/jit(_forward)/mul"}
+  %loop_fusion.5 = f32[8]{0} fusion(%p), kind=kLoop, calls=%f3, metadata={op_name="jit(train_step)/adamw/mul"}
+  ROOT %loop_fusion.6 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f4, metadata={op_name="jit(train_step)/transpose(jvp(Llama))/add"}
+}"""
+
+
+def test_breakdown_categorizes_by_instruction_then_kernel_name():
+  kinds = breakdown.categorize(_MODULE)
+  assert kinds == {"fp8": "fp8 gemm", "gemm.2": "bf16 gemm", "tg": "bf16 gemm", "fmha": "attention",
+                   "pallas_call.3": "quantizers", "all-reduce.1": "communication", "loop_fusion.4": "fp4 glue",
+                   "loop_fusion.5": "optimizer", "loop_fusion.6": "elementwise"}
+  events = [("fp8", "nvjet_qqtst", 2.0), ("%gemm.2", "sm90_xmma_gemm_bf16", 1.0), ("loop_fusion.5", "k", 0.5),
+            ("other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25), ("other.2", "mystery_kernel", 0.125)]
+  seconds, top = breakdown.breakdown(_MODULE, events)
+  assert seconds["fp8 gemm"] == 2.25 and seconds["bf16 gemm"] == 1.0 and seconds["optimizer"] == 0.5
+  assert seconds["unattributed"] == 0.125 and top == [("other.2", "mystery_kernel", 0.125)]
+  assert set(seconds) == {*breakdown.CATEGORIES, "unattributed"}
+
+
+def test_step_flops_per_token_is_6n_plus_attention():
+  from fp4jax.nn.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
+  cfg = LlamaConfig.preset("1b", max_seq_len=2048)
+  d, f, kv = 2048, 8192, 8 * 64
+  per_layer = 2 * d * d + 2 * d * kv + 3 * d * f  # q, o; k, v; gate, up, down
+  n = 16 * per_layer + d * cfg.vocab_size  # blocks + lm_head (the embedding lookup is no matmul)
+  assert step.flops_per_token(cfg, 2048) == 6 * n + 6 * 16 * 2048 * d
+
+
+def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
+  out = tmp_path / "step.json"
+  main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "mxfp4",
+        "--iters", "1", "--profile", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
+  for r in rows:
+    assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0 and r["mfu"] is None
+    assert sum(r["breakdown_s"].values()) > 0
+  assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]  # CPU: XLA quantizers
+  printed = capsys.readouterr().out
+  assert "x bf16" in printed and "ms per step" in printed

@@ -1,0 +1,121 @@
+"""Where a compiled step spends its device time: a profile's kernels grouped by category.
+
+`categorize(hlo_text)` classifies every instruction of a compiled module (optimized HLO text) by what it
+does; `device_events(xplane_path, module)` lists a profile's device events with the instruction (`hlo_op`)
+that launched each. `breakdown` joins the two:
+
+  fp8 gemm       cuBLAS(Lt) GEMMs reading float8 operands (the fp8 backend's MXFP4 products, the fp8 route)
+  bf16 gemm      other cuBLAS(Lt) GEMMs and XLA's own GEMM fusions (bf16 routes, NVFP4's exact bf16 GEMMs)
+  quantizers     Pallas kernels (fp4jax's fused quantizers)
+  attention      cuDNN fused attention (the XLA attention path counts as GEMMs and elementwise)
+  fp4 glue       the other ops inside fp4_dot (re-encodes, scale products, layout copies): their name stack
+                 holds fp4_dot's jitted passes
+  optimizer      ops outside the gradient (no jvp/transpose in their name stack): AdamW, the loss's reductions
+                 after value_and_grad
+  elementwise    everything else: norms, activations, residuals, softmax, casts, copies
+  communication  collectives (all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all)
+
+The categories come from the instruction (custom-call target, fusion kind, name stack) where the module text
+names it; kernel names (which change between cuBLAS versions) are only the fallback.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+CATEGORIES = ("fp8 gemm", "bf16 gemm", "quantizers", "attention", "fp4 glue", "elementwise", "optimizer",
+              "communication")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+# Name-stack fragments of fp4_dot's jitted passes (fp4jax/dot.py: _forward, _forward_saving, _backward).
+_FP4_DOT_SCOPES = ("jit(_forward)", "jit(_forward_saving)", "jit(_backward)")
+
+
+def _category(rhs: str) -> str:
+  """The category of one instruction, from the text after `name = `."""
+  target = re.search(r'custom_call_target="([^"]+)"', rhs)
+  op_name = re.search(r'op_name="([^"]*)"', rhs)
+  scope = op_name.group(1) if op_name else ""
+  opcode = re.search(r"\s([a-z][a-z0-9\-]*)\(", rhs)
+  opcode = opcode.group(1) if opcode else ""
+  if target:
+    name = target.group(1)
+    if "cublas" in name:
+      return "fp8 gemm" if "f8" in name or re.search(r"\bf8e[45]m[23]", rhs) else "bf16 gemm"
+    if "cudnn" in name and ("fmha" in name or "attention" in name):
+      return "attention"
+    if "triton" in name:
+      return "quantizers"
+  if opcode in _COLLECTIVES or any(opcode.startswith(c) for c in _COLLECTIVES):
+    return "communication"
+  if opcode == "fusion" and ("__triton_gemm" in rhs or "gemm_fusion" in rhs or '"kind":"__cublas' in rhs):
+    return "bf16 gemm"
+  if opcode == "dot":
+    return "bf16 gemm"
+  if any(s in scope for s in _FP4_DOT_SCOPES):
+    return "fp4 glue"
+  if scope and "jvp(" not in scope and "transpose(" not in scope:
+    return "optimizer"
+  return "elementwise"
+
+
+def categorize(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> category (`CATEGORIES`) for every instruction in a compiled module's text."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m and not line.lstrip().startswith(("HloModule", "ENTRY", "//")):
+      out[m.group(1)] = _category(m.group(2))
+  return out
+
+
+def _kernel_category(kernel: str) -> str | None:
+  """A category from a kernel's name alone (the fallback for events whose `hlo_op` the module text lacks)."""
+  k = kernel.lower()
+  rules = ((("e4m3", "e5m2", "f8f8", "fp8"), "fp8 gemm"), (("fmha", "flash", "cudnn", "sdpa"), "attention"),
+           (("gemm", "nvjet", "xmma", "cutlass", "wgmma"), "bf16 gemm"), (("fp4jax", "pallas"), "quantizers"),
+           (("nccl",), "communication"), (("fusion", "copy", "transpose", "reduce"), "elementwise"))
+  return next((cat for words, cat in rules if any(w in k for w in words)), None)
+
+
+def device_events(xplane_path: str, module: str | None = None) -> list[tuple[str, str, float]]:
+  """(hlo_op, kernel name, seconds) of each device event in a profile (`jax.profiler.trace`'s .xplane.pb) of
+  the module whose name contains `module` (all modules if None). Device planes are the GPU ones; on a machine
+  without one, the host's XLA events stand in (for tests)."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  data = ProfileData.from_file(xplane_path)
+  planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+  planes = planes or [p for p in data.planes if p.name.startswith("/host:CPU")]
+  events = []
+  for plane in planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        op = stats.get("hlo_op")
+        if op is None or (module and module not in str(stats.get("hlo_module", ""))):
+          continue
+        events.append((str(op), str(event.name), event.duration_ns * 1e-9))
+  return events
+
+
+def _op_name(op: str) -> str:
+  """An event's `hlo_op` as the module text names the instruction (no leading %, nothing after a space)."""
+  return op.strip().lstrip("%").split()[0] if op.strip() else op
+
+
+def breakdown(hlo_text: str, events: list[tuple[str, str, float]]) -> tuple[dict[str, float], list]:
+  """(seconds per category, every category present, plus "unattributed"; the largest unattributed events as
+  (hlo_op, kernel, seconds)). An event's category is its instruction's; events whose instruction the module
+  text lacks fall back to their kernel's name (`_kernel_category`)."""
+  kinds = categorize(hlo_text)
+  out = dict.fromkeys((*CATEGORIES, "unattributed"), 0.0)
+  missing: dict[tuple[str, str], float] = collections.defaultdict(float)
+  for op, kernel, seconds in events:
+    category = kinds.get(_op_name(op)) or _kernel_category(kernel)
+    if category is None:
+      category = "unattributed"
+      missing[(op, kernel)] += seconds
+    out[category] += seconds
+  top = sorted(((op, kernel, s) for (op, kernel), s in missing.items()), key=lambda e: -e[2])[:8]
+  return out, top

@@ -1,0 +1,203 @@
+"""`python -m bench step`: one jitted Llama train step per route: tokens/s, MFU, memory, where the time goes.
+
+  python -m bench step --preset 1b --tokens 8x2048 [--layers N] [--routes bf16 mxfp4 ...] [--iters 10]
+                       [--profile] [--scan] [--attention auto|xla|cudnn] [--out step.json]
+
+The step is `python -m train`'s: next-token cross-entropy, `nnx.value_and_grad`, AdamW, the state donated;
+bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
+are uniform random ids (the step's speed does not depend on their values). `--layers` keeps a preset's layer
+shapes with fewer layers (`--preset llama3_8b --layers 8`: Llama-3-8B blocks on one GPU).
+
+Columns:
+  compile  seconds of lowering + compiling the step (cold unless the persistent cache holds it: `python -m
+           bench --compile-cache off step ...` for a cold compile)
+  tokens/s batch x seq / median step time (steps run back to back, as in training)
+  MFU      model FLOPs / step time / the device's dense bf16 peak, for every route (FP4 routes are scored on
+           the same FLOPs, so MFU ratios equal tokens/s ratios). Model FLOPs per token: 6 N + 6 L T d, with N
+           the parameters of every matmul (blocks and lm_head; the embedding lookup is no matmul), L layers,
+           T the sequence length and d the model width (causal attention's QK^T and PV, forward and backward,
+           half of the T x T square).
+  memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
+`--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from bench import breakdown, dot
+from fp4jax import Impl
+
+# Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989.4e12, "NVIDIA H100 80GB HBM3": 989.4e12}
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--preset", default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
+  parser.add_argument("--layers", type=int, help="keep the preset's layer shapes with this many layers")
+  parser.add_argument("--tokens", default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--routes", nargs="+", default=["bf16", "mxfp4", "mxfp4_h32", "nvfp4"])
+  parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
+  parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
+  parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
+  parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
+  parser.add_argument("--out", help="write the rows as JSON here")
+
+
+def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
+               layers: int | None = None, attention: str = "auto"):
+  """(train_step, create_state, abstract state, abstract tokens, LlamaConfig) for a Llama preset with `route`
+  on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward and
+  AdamW as `python -m train` does; `create_state()` returns freshly initialized state."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
+  overrides = {"n_layers": layers} if layers else {}
+  cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention, **overrides)
+  rules = RouteRules.standard(route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
+  tx = optax.adamw(1e-4)
+
+  def create():
+    model = Llama(cfg, rules=rules, rngs=nnx.Rngs(0), impl=impl, dtype=jnp.bfloat16, scan_layers=scan)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  base_key = jax.random.key(0)
+
+  def loss_fn(model, tokens, key):
+    logits = model(tokens[:, :-1], key=key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+  def train_step(state, tokens, i):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, jax.random.fold_in(base_key, i))
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+  tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+  return train_step, lambda: nnx.split(create())[1], state, tokens, cfg
+
+
+def flops_per_token(cfg, seq: int) -> float:
+  """Model FLOPs per trained token (module doc): 6 N + 6 L T d."""
+  matmul_params = cfg.num_params() - cfg.vocab_size * cfg.dim * (0 if cfg.tie_embeddings else 1)
+  matmul_params -= cfg.dim * (2 * cfg.n_layers + 1)  # RMSNorm scales are no matmul
+  return 6 * matmul_params + 6 * cfg.n_layers * seq * cfg.dim
+
+
+def planned_bytes(compiled) -> int | None:
+  """XLA's memory plan for a compiled call: arguments + outputs + temporaries - aliased (donated) bytes."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+def _is_oom(err: Exception) -> bool:
+  text = str(err)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
+  """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
+  step_fn, create, abstract, tokens_spec, cfg = llama_step(
+      args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention)
+  row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
+         "scan": args.scan, "attention": args.attention}
+  t0 = time.perf_counter()
+  compiled = jax.jit(step_fn, donate_argnums=0).lower(
+      abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  row["compile_s"] = time.perf_counter() - t0
+  row["memory_bytes"] = planned_bytes(compiled)
+  state = jax.jit(create)()
+  tokens = jax.random.randint(jax.random.key(1), tokens_spec.shape, 0, cfg.vocab_size, jnp.int32)
+  i = 0
+  for _ in range(2):  # Warm-up: first-run allocations and autotuned kernels' first launches.
+    state, loss = compiled(state, tokens, jnp.int32(i))
+    i += 1
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(3):  # Three batches of back-to-back steps; the median batch's time per step.
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+      state, loss = compiled(state, tokens, jnp.int32(i))
+      i += 1
+    jax.block_until_ready(loss)
+    times.append((time.perf_counter() - t0) / args.iters)
+  step_s = statistics.median(times)
+  row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, loss=float(loss),
+             flops_per_token=flops_per_token(cfg, seq))
+  peak = PEAK_BF16_FLOPS.get(jax.devices()[0].device_kind)
+  row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
+  if args.profile:
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        for _ in range(3):
+          state, loss = compiled(state, tokens, jnp.int32(i))
+          i += 1
+        jax.block_until_ready(loss)
+      xplane = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
+      events = breakdown.device_events(xplane, module="train_step")
+    seconds, unattributed = breakdown.breakdown(compiled.as_text(), events)
+    row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
+    row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
+  del state
+  return row
+
+
+def _table(rows: list[dict]) -> str:
+  base = {(r["preset"], r["layers"]): r["tokens_per_s"] for r in rows if r["route"] == "bf16" and "step_s" in r}
+  lines = [f"{'route':18s} {'compile s':>9s} {'ms/step':>8s} {'tokens/s':>10s} {'x bf16':>7s} {'MFU':>6s} "
+           f"{'GiB':>6s}"]
+  for r in rows:
+    if "error" in r:
+      lines.append(f"{r['route']:18s} {r['error']}")
+      continue
+    ratio = r["tokens_per_s"] / base[(r["preset"], r["layers"])] if (r["preset"], r["layers"]) in base else None
+    mem = f"{r['memory_bytes'] / 2**30:6.1f}" if r["memory_bytes"] is not None else "   n/a"
+    lines.append(f"{r['route']:18s} {r['compile_s']:9.1f} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} "
+                 f"{'' if ratio is None else f'{ratio:7.2f}':>7s} "
+                 f"{'' if r['mfu'] is None else f'{r['mfu']:6.1%}':>6s} {mem}")
+  profiled = [r for r in rows if "breakdown_s" in r]
+  if profiled:
+    cats = [c for c in (*breakdown.CATEGORIES, "unattributed") if any(r["breakdown_s"][c] for r in profiled)]
+    lines.append("")
+    lines.append(f"{'ms per step':18s} " + " ".join(f"{c:>13s}" for c in cats) + f" {'busy':>8s} {'step':>8s}")
+    for r in profiled:
+      b = r["breakdown_s"]
+      lines.append(f"{r['route']:18s} " + " ".join(f"{b[c] * 1e3:13.2f}" for c in cats)
+                   + f" {sum(b.values()) * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
+  return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+  """Measures each route in turn (an out-of-memory route becomes a row saying so), printing the table after each."""
+  batch, seq = (int(v) for v in args.tokens.split("x"))
+  layers = f", {args.layers} layers" if args.layers else ""
+  print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
+        f"{'scanned' if args.scan else 'unrolled'}, attention {args.attention}", flush=True)
+  rows = []
+  for route in args.routes:
+    try:
+      row = measure(route, args, batch, seq)
+    except Exception as err:  # pylint: disable=broad-except
+      if not _is_oom(err):
+        raise
+      row = {"route": route, "preset": args.preset, "layers": args.layers, "error": "out of memory"}
+    rows.append(row)
+    print(_table(rows), flush=True)  # the table so far: a long run stopped midway still reports its routes
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump({"info": dot.device_info(), "rows": rows}, f, indent=1)
