@@ -42,7 +42,7 @@ from fp4jax.impl import Impl
 from fp4jax.numerics.formats import FORMATS
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.reference import dequantize
-from fp4jax.numerics.spec import OperandSpec
+from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated
 from fp4jax.ops.quantize import api as quantize_api
@@ -165,24 +165,22 @@ def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array) -> tuple[jax.Array, 
   return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
 
 
-def _prepare(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str, impl: Impl) -> Operand:
-  """One GEMM operand (`role`, e.g. "fprop_x") from a 2-D array `v`, reduced along `axis`, K-major (`axis`
-  last): quantized per `spec`, or `v` itself for a high-precision spec."""
+def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl: Impl) -> Operand:
+  """One GEMM operand from a 2-D array `v`, reduced along `axis`, K-major (`axis` last): quantized per `spec`
+  with its role's `keys` (`route.role_keys`), or `v` itself for a high-precision spec."""
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
-  return quantize_api.quantize_operand(v, spec, axis, route_lib.operand_keys(spec, key, role),
-                                       implementation=impl.quantizer)
+  return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer)
 
 
-def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, key: jax.Array, roles: tuple[str, str],
+def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, keys: tuple[OperandKeys, OperandKeys],
                    impl: Impl) -> tuple[Operand, Operand]:
   """The two operands read from one 2-D array: `v` along axis 1 (`row`, K-major [R, C]) and along axis 0
   (`col`, K-major [C, R]), e.g. X for fprop and wgrad, dY for dgrad and wgrad, W for dgrad and fprop: from one
   pass over `v` where a kernel covers both recipes (each with its own rounding and key)."""
   if not (row.quantized and col.quantized):
-    return _prepare(v, row, 1, key, roles[0], impl), _prepare(v, col, 0, key, roles[1], impl)
-  return quantize_api.quantize_views(v, row, col, route_lib.operand_keys(row, key, roles[0]),
-                                     route_lib.operand_keys(col, key, roles[1]), implementation=impl.quantizer)
+    return _prepare(v, row, 1, keys[0], impl), _prepare(v, col, 0, keys[1], impl)
+  return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer)
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -230,26 +228,28 @@ def _dot2d(plan: _Plan, x, w, key):
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(plan: _Plan, x, w, key):
   r = plan.route
-  xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.impl)  # [M, K]
-  wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.impl)  # K-major [N, K]
+  keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w"))
+  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl)  # [M, K]
+  wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
+  keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
-    xa = _prepare(x, r.fprop_x, 1, key, "fprop_x", plan.impl)  # [M, K]
-    wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.impl)  # K-major [N, K]
-    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, key, "wgrad_x", plan.impl)  # K-major [K, M]
-    w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, key, "dgrad_w", plan.impl)  # K-major [K, N]
+    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl)  # [M, K]
+    wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
+    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl)  # K-major [K, M]
+    w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, keys["dgrad_w"], plan.impl)  # K-major [K, N]
   else:
-    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, key, ("fprop_x", "wgrad_x"), plan.impl)
+    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl)
     if _reuses_fprop_w(r):
-      wb = _prepare(w, r.fprop_w, 0, key, "fprop_w", plan.impl)
+      wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)
       w_dgrad = other_orientation(wb)
     else:
-      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, key, ("dgrad_w", "fprop_w"), plan.impl)
+      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl)
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (x_wgrad, w_dgrad, key)
 
 
@@ -257,7 +257,9 @@ def _forward_saving(plan: _Plan, x, w, key):
 def _backward(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
-  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, key, ("dgrad_dy", "wgrad_dy"), plan.impl)  # [M, N], [N, M]
+  keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
+  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]),
+                              plan.impl)  # [M, N], [N, M]
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
   return dx, dw, None

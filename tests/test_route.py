@@ -119,3 +119,18 @@ def test_route_is_a_static_jit_argument():
   gj(x, route=dataclasses.replace(routes.get("nvfp4")))  # Equal route: no retrace.
   gj(x, route=routes.get("mxfp4"))
   assert traces == ["nvfp4", "mxfp4"]
+
+
+@pytest.mark.parametrize("name", routes.names())
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_role_keys_equal_operand_keys_one_by_one(name, make_key):
+  """`role_keys` derives a pass's keys in one vectorized fold_in: the same bits as `operand_keys` per role."""
+  route, key = routes.get(name), make_key(7)
+  got = routes.role_keys(route, key, routes.ROLES)
+  for role in routes.ROLES:
+    want = routes.operand_keys(route.spec(role), key, role)
+    for g, w in zip(got[role], want):
+      assert (g is None) == (w is None), (role, g, w)
+      if w is not None:
+        unwrap = jax.random.key_data if jnp.issubdtype(w.dtype, jax.dtypes.prng_key) else (lambda k: k)
+        assert (unwrap(g) == unwrap(w)).all(), role

@@ -46,8 +46,15 @@ def _block_linear_index(layer: int | jax.Array, group: str, name: str) -> int | 
   return LINEARS_PER_BLOCK * layer + offset + names.index(name)
 
 
-def _fold(key: jax.Array | None, layer: int | jax.Array, group: str, name: str) -> jax.Array | None:
-  return None if key is None else jax.random.fold_in(key, _block_linear_index(layer, group, name))
+def _fold(key: jax.Array | None, layer: int | jax.Array, group: str) -> dict[str, jax.Array | None]:
+  """Each linear of `group`'s key, fold_in(key, its index), derived in one vectorized fold_in (the same bits as
+  one fold_in per linear, in a smaller program: each threefry is ~330 HLO instructions per call site)."""
+  names = ATTN_LINEARS if group == "attn" else MLP_LINEARS
+  if key is None:
+    return dict.fromkeys(names)
+  indices = jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32) for n in names])
+  keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+  return {n: keys[i] for i, n in enumerate(names)}
 
 
 def fsdp_sharding(shape: tuple[int, ...]) -> tuple[str | None, ...]:
@@ -159,7 +166,7 @@ class Attention(nnx.Module):
                layer: int | jax.Array | None = None) -> jax.Array:
     """`layer` overrides `self.layer` in the key indices (a traced int32 when blocks run under a scan)."""
     layer = self.layer if layer is None else layer
-    keys = {name: _fold(key, layer, "attn", name) for name in ATTN_LINEARS}
+    keys = _fold(key, layer, "attn")
     b, t, _ = x.shape  # [B, T, D]
     q = self.q(x, key=keys["q"]).reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
     k = self.k(x, key=keys["k"]).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
@@ -186,10 +193,11 @@ class MLP(nnx.Module):
                layer: int | jax.Array | None = None) -> jax.Array:
     """`layer` overrides `self.layer` in the key indices, as in `Attention`."""
     layer = self.layer if layer is None else layer
-    gate = self.gate(x, key=_fold(key, layer, "mlp", "gate")).astype(jnp.float32)  # [B, T, F]
-    up = self.up(x, key=_fold(key, layer, "mlp", "up")).astype(jnp.float32)  # [B, T, F]
+    keys = _fold(key, layer, "mlp")
+    gate = self.gate(x, key=keys["gate"]).astype(jnp.float32)  # [B, T, F]
+    up = self.up(x, key=keys["up"]).astype(jnp.float32)  # [B, T, F]
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    return self.down(h, key=_fold(key, layer, "mlp", "down"))  # [B, T, D]
+    return self.down(h, key=keys["down"])  # [B, T, D]
 
 
 class Block(nnx.Module):
