@@ -87,9 +87,13 @@ def fp8_operand_from_codes(codes: jax.Array, scales: jax.Array) -> Fp8Operand:
   if scales.shape != (r, nb) or k != 32 * nb:
     raise ValueError(f"MXFP4 arrays disagree: {codes.shape=} (K={k}) needs scales [R, K/32]; {scales.shape=}")
   e_row = row_exponent(scales)  # [R]
+  return Fp8Operand(_encode_e4m3(codes, scales, e_row[:, None]), row_factors(scales, e_row))
+
+
+def row_factors(scales: jax.Array, e_row: jax.Array) -> jax.Array:
+  """row_scale float32 [R]: 2^(e_row - 6) from exponent bits, NaN where the row of `scales` has a NaN block."""
   row_nan = jnp.any(scales == E8M0_NAN, axis=-1)
-  row_scale = jnp.where(row_nan, jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))  # [R] float32
-  return Fp8Operand(_encode_e4m3(codes, scales, e_row[:, None]), row_scale)
+  return jnp.where(row_nan, jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))
 
 
 def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
@@ -141,6 +145,14 @@ def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:
   """
   e_t = tensor_exponent(q.scales)
   return _encode_e4m3(q.codes, q.scales, e_t), ieee.pow2(e_t - FP8_HEADROOM)
+
+
+def fp8_values(q: QTensor, e_ref: jax.Array) -> jax.Array:
+  """float8_e4m3fn [R, K]: a 2-D MXFP4 QTensor encoded against int32 reference exponents `e_ref` [R] (one per
+  row): `row_exponent` gives `mx_to_fp8`'s values, e_T broadcast `fp8_tensor_operand`'s. Lets one encoding
+  serve a GEMM that picks per-row or per-tensor factors at run time (`ops/gemm/fp8.py`)."""
+  _check_2d(q, "fp8_values")
+  return _encode_e4m3(q.codes, q.scales, e_ref[:, None])
 
 
 def tensor_span_ok(q: QTensor) -> jax.Array:

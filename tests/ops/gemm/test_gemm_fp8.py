@@ -57,6 +57,10 @@ def test_tensor_scaled_path_taken_only_when_exact(span_a, span_b):
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
   assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+  # The shared encoding (one per operand, outside the cond) gives the bits of each path computed on its own.
+  own = jax.jit(lambda a, b: gemm_fp8.fp8_gemm_tensor_scaled(a, b, jnp.float32) if fast else
+                gemm_fp8.fp8_gemm(fp8_encoding.mx_to_fp8(a), fp8_encoding.mx_to_fp8(b), jnp.float32))
+  np.testing.assert_array_equal(out, np.asarray(own(a, b)))
 
 
 def _random_mx_rows(q: QTensor, span: int) -> QTensor:
