@@ -127,25 +127,36 @@ def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> No
                      f"(block_m={tile.block_m}, block_k={tile.block_k})")
 
 
-def _view_params(amax: jax.Array, rounding: str, step: int, fmt: str) -> tuple[jax.Array, jax.Array]:
-  """(per-program parameter rows [P, 16], outer) of one view from its amax (() or one per K-major row).
+def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int],
+                 fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+  """((row params [P_r, 16], column params [P_c, 16]), (row outer, column outer)) of both views from their
+  amaxes (() each, or one per K-major row): one vectorized pass over every program's values, so the divisions
+  (`ieee.div`, a few hundred XLA instructions each) appear once per call instead of once per view.
 
-  `step`: K-major rows per program, used to pick each program's S_enc (constant within a program). Row:
-  [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), L, 0 ...]: q_j = 1 / fp32((1 + j/8)
-  * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`; `_block_encode` scales back by 2^L).
+  `steps`: K-major rows per program, used to pick each program's S_enc (constant within a program: programs
+  never straddle a row tile). Row: [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), L,
+  0 ...]: q_j = 1 / fp32((1 + j/8) * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`;
+  `_block_encode` scales back by 2^L). The outers are `reference.nvfp4_outer` of each view's S_enc, per row.
   """
-  headroom = reference.NV_HEADROOM[rounding]
-  s_enc = reference.nvfp4_encode_scale(amax, get_format(fmt).scale_max / headroom)
-  outer = reference.nvfp4_outer(s_enc)
-  per_program = lambda v: v.reshape(-1)[::step] if v.ndim else v.reshape(1)  # [P]
-  s = per_program(s_enc)
-  g = s * reference.nv_inv_target(E2M1_MAX, headroom)  # [P]; NaN marks a non-finite amax
-  o, shift = ieee.lift(per_program(outer))  # [P]: outer * 2^L, normal
+  per_program = [a.reshape(-1)[::step] if a.ndim else a.reshape(1) for a, step in zip(amaxes, steps)]  # [P]
+  counts = [int(a.shape[0]) for a in per_program]
+  heads = [reference.NV_HEADROOM[r] for r in roundings]
+  column = lambda values: jnp.concatenate([jnp.full((n,), v, jnp.float32) for n, v in zip(counts, values)])
+  amax = jnp.concatenate(per_program)  # [P_r + P_c]
+  scale_max = get_format(fmt).scale_max
+  s = ieee.div(column([np.float32(scale_max / h * E2M1_MAX) for h in heads]), jnp.where(amax == 0, 1.0, amax))
+  s = jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))  # reference.nvfp4_encode_scale, per view's headroom
+  outer = reference.nvfp4_outer(s)
+  g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
+  o, shift = ieee.lift(outer)  # outer * 2^L, normal
   q = ieee.div(jnp.float32(1.0), o[:, None] * jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
-  g4 = s * reference.nv_inv_target(4.0, headroom)
+  g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
   pad = jnp.zeros((s.shape[0], _N_PARAMS - 12), jnp.float32)
-  cols = [g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad]
-  return jnp.concatenate(cols, axis=1), outer
+  params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
+  split = lambda v: (v[:counts[0]], v[counts[0]:])
+  outers = tuple(o.reshape(()) if a.ndim == 0 else jnp.repeat(o, step)  # per program -> per K-major row
+                 for o, a, step in zip(split(outer), amaxes, steps))
+  return split(params), outers
 
 
 def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
@@ -377,8 +388,8 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
       col_amax = amax_lib.rotated_amax(x, transform, col_keys.transform, axis=0, interpret=interpret)
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
-  prow, row_outer = _view_params(row_amax, row.rounding, tile.block_m, fmt)
-  pcol, col_outer = _view_params(col_amax, col.rounding, tile.block_k, fmt)
+  (prow, pcol), (row_outer, col_outer) = _view_params((row_amax, col_amax), (row.rounding, col.rounding),
+                                                     (tile.block_m, tile.block_k), fmt)
   if fmt in _GLOBAL:  # one parameter row serves every program
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
