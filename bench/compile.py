@@ -5,7 +5,8 @@
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
-and counts the Pallas kernels in the lowered module (call sites; distinct Triton IR). The train step is a Llama
+counts the Pallas kernels in the lowered module (call sites; distinct Triton IR) and its HLO instructions with
+every called computation inlined (`inlined_size`: what XLA's passes work through). The train step is a Llama
 preset's forward, backward and AdamW update (bf16 compute, the route on every linear but the embedding and
 lm_head). `--h200` lowers for an abstract H200 on any machine (no compile phase): tracing and lowering are host
 work, so their seconds carry over to the GPU machine's host roughly as the CPUs compare.
@@ -45,6 +46,41 @@ def kernel_counts(lowered_text: str) -> tuple[int, int]:
   return len(irs), len(set(irs))
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLEES = re.compile(r"(?:to_apply|calls|true_computation|false_computation|body|condition)=%?([\w.\-]+)")
+
+
+def inlined_size(hlo_text: str) -> int:
+  """HLO instructions of a module (text of `lowered.compiler_ir("hlo")`) once every called computation is
+  counted at each of its call sites, as XLA's inliner expands them: a proxy for the work of XLA's passes (the
+  30M mxfp4 step's compile was 2/3 HLO passes on the H200, docs/BENCHMARKS.md). Parameters and sharding
+  annotations (`Sharding` custom calls, one per value under a mesh) are not counted."""
+  own: dict[str, int] = {}
+  callees: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and not line.startswith(" "):
+      current = m.group(1)
+      own[current], callees[current] = 0, []
+    elif current and " = " in line:
+      if 'custom_call_target="Sharding"' not in line and " parameter(" not in line:
+        own[current] += 1
+      callees[current] += _CALLEES.findall(line)
+      for branches in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        callees[current] += [b.strip().lstrip("%") for b in branches.split(",")]
+  entry = next((m.group(1) for line in hlo_text.splitlines() if line.startswith("ENTRY")
+                for m in [_COMPUTATION.match(line)] if m), None)
+  sizes: dict[str, int] = {}
+
+  def size(name: str) -> int:
+    if name not in sizes:
+      sizes[name] = own.get(name, 0) + sum(size(c) for c in callees.get(name, []))
+    return sizes[name]
+
+  return size(entry) if entry else 0
+
+
 def _phases(fn, args, *, h200: bool) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts."""
   target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
@@ -59,13 +95,14 @@ def _phases(fn, args, *, h200: bool) -> dict:
     lowered.compile()
     compile_s = time.perf_counter() - t2
   sites, distinct = kernel_counts(lowered.as_text())
-  return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct}
+  return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct,
+          "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text())}
 
 
 def _line(name: str, p: dict) -> str:
   compiled = "   n/a" if p["compile"] is None else f"{p['compile']:6.1f}"
   return (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
-          f"pallas kernels {p['sites']} sites / {p['distinct']} distinct")
+          f"pallas kernels {p['sites']} sites / {p['distinct']} distinct  hlo {p['hlo'] / 1e3:.1f}k")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -161,3 +161,20 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]  # CPU: XLA quantizers
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed
+
+
+def test_inlined_size_counts_each_call_site():
+  text = """HloModule m
+f.1 {
+  p = f32[] parameter(0)
+  a = f32[] add(p, p)
+  ROOT b = f32[] multiply(a, a)
+}
+ENTRY main.2 {
+  x = f32[] parameter(0)
+  s = f32[] custom-call(x), custom_call_target="Sharding", sharding={replicated}
+  c1 = f32[] call(s), to_apply=f.1
+  c2 = f32[] call(c1), to_apply=f.1
+  ROOT r = f32[] conditional(pred, c1, c2), branch_computations={%f.1, %f.1}
+}"""
+  assert compile_bench.inlined_size(text) == 3 + 4 * 2  # 3 own (no parameter, no Sharding) + 4 inlined bodies
