@@ -3,7 +3,7 @@
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
-# parts: tests quantize dot compile train (default: all but compile). Logs and results land in $OUT.
+# parts: tests quantize dot compile step train (default: tests quantize dot train). Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
 # the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
 # separate calls.
@@ -44,6 +44,12 @@ for part in "${parts[@]}"; do
         --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -8
       timeout ${COMPILE_LIMIT:-400} python3 -m bench compile --step 1b --tokens 8x1024 --routes bf16 mxfp4 2>&1 \
         | tail -6 ;;
+    step)
+      log "whole train steps: Llama-1B seq 2048, Llama-3-8B blocks (4 layers), with the time by category"
+      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --profile --out "$OUT/step_1b.json" \
+        --routes ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14
+      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --profile \
+        --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \
@@ -51,6 +57,6 @@ for part in "${parts[@]}"; do
         --set run.steps=${STEPS:-300} --set run.eval_every=100 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
         --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
         | tail -40 ;;
-    *) echo "unknown part $part (tests quantize dot compile train)"; exit 2 ;;
+    *) echo "unknown part $part (tests quantize dot compile step train)"; exit 2 ;;
   esac
 done
