@@ -80,9 +80,10 @@ CASES = [
     Case("nvtile sr|rne", NVT_SR, NVT),
     Case("nvtile rne|sr", NVT, NVT_SR),
     Case("nvtile 16x16", S("nvfp4_tile", tile_2d=True), S("nvfp4_tile", tile_2d=True)),
-    # No dual-view kernel: 4/6 (its kernel path waits for a GPU check), mixed formats.
-    Case("nv46 rne|rne", S("nvfp4_46"), S("nvfp4_46"), kernel=False),
-    Case("nv46 sr|rne", S("nvfp4_46", "sr"), S("nvfp4_46"), kernel=False),
+    # 4/6: both RNE views in one pass; an SR view (no 4/6 kernel) falls back to XLA, the RNE view keeps its kernel.
+    Case("nv46 rne|rne", S("nvfp4_46"), S("nvfp4_46")),
+    Case("nv46 sr|rne", S("nvfp4_46", "sr"), S("nvfp4_46")),
+    # Mixed formats: one launch per view.
     Case("mx|nv: one launch per view", MX, NV),
     # MS-EDEN: one kernel per view (quartet2's dY, and its requantized float32 X^, W^).
     Case("eden rht128 views", EDEN, EDEN, shape=(128, 128)),

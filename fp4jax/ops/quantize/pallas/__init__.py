@@ -17,10 +17,11 @@ from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import eden, mxfp4, nvfp4
 
-# Dual-view kernels by format. "nvfp4_46" (4/6) is bit-exact in interpret mode and waits for its GPU check.
+# Dual-view kernels by format.
 VIEW_KERNELS: dict[str, Callable[..., tuple[QTensor, QTensor]]] = {
     "mxfp4": mxfp4.views,
     "nvfp4": nvfp4.views,
+    "nvfp4_46": nvfp4.views,
     "nvfp4_tile": nvfp4.views,
 }
 # Single-view kernels by rounding, for recipes no dual-view kernel covers (MS-EDEN: one rotation and one group

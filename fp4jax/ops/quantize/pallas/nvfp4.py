@@ -43,8 +43,9 @@ which a flush would turn off.
 4/6 ("nvfp4_46", RNE, `_view_46`): per block both E4M3 scale candidates (targets 6 and 4, from g and g4 in the
 parameter row), the codes under each, their squared errors (q * s_b - x * S_enc)^2 summed in the reference's
 halving order, the lower kept (ties: 6). x * S_enc and the squares feed a difference and sums, so they are
-PTX mul.rn.f32 (`exact`), which no FMA contraction can merge; q * s_b is exact. Not in fp4_dot's dispatch
-(`pallas.VIEW_KERNELS`) until it has run on a GPU.
+PTX mul.rn.f32 (`exact`), which no FMA contraction can merge; q * s_b is exact. Equal to the reference on an
+H200 (`test_gpu_four_over_six_matches_reference`), so in fp4_dot's dispatch (`pallas.VIEW_KERNELS`): quartet2's
+forward operands.
 
 Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x, the column view's over
 `tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
