@@ -25,7 +25,9 @@ dequantized to bf16 the same way (exact while its block exponents stay within [-
 
 FP8 x FP8 (the fp8 route, `numerics.current_scaling`): the operands already are float8 values with one float32
 decode factor per tensor, so the GEMM is `scaled_fp8_dot` as it stands, the scaled-FP8 pattern the MXFP4 fast
-path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale. XLA:CPU computes
+path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale (seen on an H200
+for operands passed in; inside fp4_dot, the quantizer must hand over the float8 cast itself, with no select
+after it: `numerics.current_scaling`; the GPU tests check both). XLA:CPU computes
 the same program by upcasting: value * factor rounded once per element as `dequantize` does, then a float32
 dot, so it equals the emulated product up to the order of the sums. Accumulation follows Transformer Engine's
 HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to float32 in the GEMMs
