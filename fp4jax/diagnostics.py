@@ -3,8 +3,9 @@
 `operand_report(x, w, dy, route)` measures, for the three GEMMs of one linear (fprop Y = X W, dgrad dX = dY W^T,
 wgrad dW = X^T dY; docs/ARCHITECTURE.md):
   * per operand role (six): the relative quantization error, the fraction of nonzero inputs that become zero
-    codes and the fraction of elements that clip at the E2M1 maximum, all in the operand's own basis (after
-    the spec's Hadamard transform, along its GEMM's contraction axis), as fp4_dot quantizes it;
+    codes and the fraction of elements that clip at the element maximum (E2M1 6, E4M3 448, E5M2 57344), all
+    in the operand's own basis (after the spec's Hadamard transform, along its GEMM's contraction axis), as
+    fp4_dot quantizes it;
   * per GEMM (three): the product fp4_dot returns (forward and vjp) against the exact float32 product: cosine
     similarity, single-sample relative error, and the bias of the mean over `samples` random keys, next to
     the bias an unbiased estimator would show (about error / sqrt(samples)).
@@ -32,7 +33,6 @@ from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.api import quantize_operand
 from fp4jax.route import Route
 
-E2M1_MAX = 6.0
 # role -> (which of x, w, dy it reads, the contraction axis of that 2-D array)
 ROLE_SOURCES: dict[str, tuple[str, int]] = {
     "fprop_x": ("x", 1), "fprop_w": ("w", 0), "dgrad_dy": ("dy", 1), "dgrad_w": ("w", 1), "wgrad_x": ("x", 0),
@@ -59,9 +59,11 @@ def _padded(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route) -> tuple[ja
 
 
 def _decode_factor(q: QTensor) -> jax.Array:
-  """Per element, K-major: the block scale times the outer factor, the divisor that maps a value to E2M1."""
-  block = q.spec.block
-  scale = jnp.repeat(decode_scales(q.scales, q.spec), block, axis=-1)
+  """Per element, K-major: the block scale (none for FP8) times the outer factor, the divisor that maps a value to
+  an element."""
+  scale = jnp.ones(q.kmajor_shape, jnp.float32)
+  if q.scales is not None:
+    scale = jnp.repeat(decode_scales(q.scales, q.spec), q.spec.block, axis=-1)
   if q.outer is not None:
     scale = scale * (q.outer if q.outer.ndim == 0 else q.outer[..., None])
   return scale
@@ -75,9 +77,9 @@ def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, 
   for a route that re-quantizes the saved forward FP4 values (`requantize_saved`) it is the total error.
   Returns {"rel_sq_error": ||Q(v) - T(v)||^2 / ||T(v)||^2 (0 for an all-zero v), "zero_fraction": nonzero T(v)
   elements whose code is +-0 over nonzero T(v) elements, "clip_fraction": elements with |T(v)| / (block scale
-  x outer) > 6 over all elements, i.e. clipped before rounding (for finite inputs the same as saturated codes
-  that were rounded down to 6)}, T the spec's transform along `axis` (identity without one). A high-precision
-  spec loses nothing: all three are 0.
+  x outer) > the element maximum (6 for E2M1) over all elements, i.e. clipped before rounding (for finite
+  inputs the same as saturated codes that were rounded down to the maximum)}, T the spec's transform along
+  `axis` (identity without one). A high-precision spec loses nothing: all three are 0.
   """
   if not spec.quantized:
     return {"rel_sq_error": 0.0, "zero_fraction": 0.0, "clip_fraction": 0.0}
@@ -98,10 +100,10 @@ def _operand_sums(v: jax.Array, source: jax.Array, keys: OperandKeys, spec: Oper
   t = v if spec.transform is None else hadamard(v, spec.transform, axis=axis, key=keys.transform)
   tk = jnp.moveaxis(t, axis, -1)  # K-major, as the codes
   nonzero = tk != 0
-  zero_code = (q.unpacked_codes() & 7) == 0
+  zero_code = q.element_values() == 0
   ratio = jnp.abs(tk) / _decode_factor(q)  # NaN only where a zero block has a zero scale: masked below
   return (jnp.sum((dequantize(q) - t) ** 2), jnp.sum(t ** 2), jnp.sum(nonzero & zero_code), jnp.sum(nonzero),
-          jnp.sum(jnp.where(nonzero, ratio, 0.0) > E2M1_MAX))
+          jnp.sum(jnp.where(nonzero, ratio, 0.0) > q.spec.element_spec.max))
 
 
 def _products(x: jax.Array, w: jax.Array, dy: jax.Array, route: Route, keys: jax.Array) -> dict[str, jax.Array]:

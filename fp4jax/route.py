@@ -134,6 +134,8 @@ _NV_TL = OperandSpec("nvfp4_tile")
 _NV_TL_SR = OperandSpec("nvfp4_tile", rounding="sr")
 _NV46 = OperandSpec("nvfp4_46")
 _EDEN128 = OperandSpec("nvfp4", rounding="eden", transform="rht128")
+_E4M3 = OperandSpec("fp8_e4m3")  # per-tensor current scaling (`numerics.current_scaling`)
+_E5M2 = OperandSpec("fp8_e5m2")
 
 _PRESETS: tuple[Route, ...] = (
     Route("bf16"),
@@ -163,6 +165,9 @@ _PRESETS: tuple[Route, ...] = (
     # Quartet II: 4/6 RTN forward; backward re-quantizes the saved FP4 X, W with RHT128 + MS-EDEN.
     Route("quartet2", fprop_x=_NV46, fprop_w=_NV46, dgrad_dy=_EDEN128, dgrad_w=_EDEN128,
           wgrad_dy=_EDEN128, wgrad_x=_EDEN128, requantize_saved=True),
+    # The stock Hopper FP8 baseline (Transformer Engine's Float8CurrentScaling, HYBRID): per-tensor scales from
+    # each tensor's own amax, E4M3 for X and W, E5M2 for dY; one FP8 tensor serves both GEMMs that read it.
+    Route("fp8", fprop_x=_E4M3, fprop_w=_E4M3, dgrad_dy=_E5M2, dgrad_w=_E4M3, wgrad_dy=_E5M2, wgrad_x=_E4M3),
 )
 PRESETS: dict[str, Route] = {r.name: r for r in _PRESETS}
 

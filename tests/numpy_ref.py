@@ -307,3 +307,30 @@ def dequantize_np(codes, scale_bits, outer, fmt: str) -> np.ndarray:
   if outer is not None:
     v = v * (outer if np.ndim(outer) == 0 else np.asarray(outer)[..., None])
   return v
+
+
+# ----------------------------------------------------------------------------------------------- FP8, per tensor
+
+FP8 = {"fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def fp8_current_np(x, fmt: str, *, axis: int = -1):
+  """Per-tensor current scaling (Transformer Engine's Float8CurrentScaling): (value bytes uint8 [K-major], outer).
+
+  S = fp32(max / amax) (1 for amax 0, float32 max where it overflows), values = RNE(clip(x * S, +-max)) by
+  ml_dtypes, outer = fp32(1 / S); any NaN or Inf makes every value NaN and outer NaN.
+  """
+  dtype, fmax = FP8[fmt]
+  xk = np.moveaxis(np.asarray(x, F32), axis, -1)
+  if not np.isfinite(xk).all():
+    return np.full(xk.shape, np.nan, F32).astype(dtype).view(np.uint8), F32(np.nan)
+  amax = np.abs(xk).max(initial=F32(0))
+  with np.errstate(over="ignore"):
+    s = F32(1) if amax == 0 else np.minimum(F32(fmax) / amax, np.finfo(F32).max)
+  values = np.clip((xk * s).astype(F32), -fmax, fmax).astype(dtype)
+  return values.view(np.uint8), F32(1) / s
+
+
+def fp8_dequantize_np(value_bits, outer, fmt: str) -> np.ndarray:
+  """K-major float32 values: fp8 value * outer, one rounding."""
+  return (value_bits.view(FP8[fmt][0]).astype(np.float64) * np.float64(outer)).astype(F32)

@@ -11,7 +11,7 @@ from fp4jax.route import OperandSpec, Route
 
 
 def test_presets_listed_and_fetched():
-  for name in ("bf16", "mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2"):
+  for name in ("bf16", "mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2", "fp8"):
     assert name in routes.names()
     assert routes.get(name).name == name
   r = routes.get("mxfp4")
@@ -35,6 +35,9 @@ def test_unknown_route_lists_presets():
     (dict(fmt="nvfp4", clip_fraction=0.87), r"clip_fraction=0.87 applies to MX formats only"),
     (dict(fmt="mxfp4", tile_2d=True, clip_fraction=1.5), r"clip_fraction=1.5"),
     (dict(fmt=None, rounding="sr"), r"high-precision"),
+    (dict(fmt="fp8_e5m2", rounding="sr"), r"'fp8_e5m2' scales per tensor: it takes rounding='rne'"),
+    (dict(fmt="fp8_e4m3", tile_2d=True), r"'fp8_e4m3' scales per tensor.*no 2-D tiles"),
+    (dict(fmt="fp8_e4m3", scale_rule="ocp"), r"scale_rule='ocp' applies to MX formats only"),
 ])
 def test_operand_spec_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -71,7 +74,7 @@ def test_route_none_means_high_precision_and_is_hashable():
 
 
 def test_route_needs_key():
-  assert [n for n in routes.names() if not routes.get(n).needs_key] == ["bf16", "mxfp4_rtn", "nvfp4_46"]
+  assert [n for n in routes.names() if not routes.get(n).needs_key] == ["bf16", "mxfp4_rtn", "nvfp4_46", "fp8"]
   assert routes.get("bf16").high_precision and not routes.get("mxfp4").high_precision
 
 
@@ -92,6 +95,11 @@ def test_presets_follow_numerics_table():
   assert q2.requantize_saved and q2.fprop_x == q2.fprop_w == OperandSpec("nvfp4_46")
   for role in ("dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x"):
     assert q2.spec(role) == OperandSpec("nvfp4", rounding="eden", transform="rht128")
+  fp8 = routes.get("fp8")  # Transformer Engine's Float8CurrentScaling, HYBRID: E4M3 forward, E5M2 gradients
+  assert {r: fp8.spec(r).fmt for r in routes.ROLES} == {
+      "fprop_x": "fp8_e4m3", "fprop_w": "fp8_e4m3", "dgrad_w": "fp8_e4m3", "wgrad_x": "fp8_e4m3",
+      "dgrad_dy": "fp8_e5m2", "wgrad_dy": "fp8_e5m2"}
+  assert not fp8.needs_key and not fp8.requantize_saved
 
 
 def test_keys_are_deterministic_and_distinct_per_role():

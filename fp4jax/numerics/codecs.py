@@ -1,4 +1,5 @@
-"""Element codecs: float32 <-> E2M1 codes and E4M3 scale bytes, each rounding written once.
+"""Element codecs: float32 <-> E2M1 codes and E4M3 scale bytes, each rounding written once; the decoders of
+every element encoding by name (`ELEMENT_DECODERS`).
 
 The E2M1 encoders are the reference's (midpoint comparisons, the SR test u < (|v| - lo) / (hi - lo)); the
 Pallas kernels reach the same codes with float32 bit tricks (`ops/quantize/pallas/common.py`). The E4M3
@@ -8,6 +9,8 @@ float32 -> float8 -> float32 round trip: `ieee`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,3 +94,12 @@ def e4m3_sr_bytes(t: jax.Array, u: jax.Array) -> jax.Array:
 def e4m3_sr(t: jax.Array, u: jax.Array) -> jax.Array:
   """float8_e4m3fn of float32 `t` in [0, 448] by stochastic rounding (`e4m3_sr_bytes`)."""
   return jax.lax.bitcast_convert_type(e4m3_sr_bytes(t, u).astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+# Element encoding (`formats.ELEMENTS`) -> float32 values of its uint8 codes, one code per element, decoded from
+# the bits (never `astype` from float8: `ieee`).
+ELEMENT_DECODERS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "e2m1": e2m1_decode,
+    "e4m3": lambda b: ieee.e4m3_bits_to_f32(b.astype(jnp.uint32)),
+    "e5m2": lambda b: ieee.e5m2_bits_to_f32(b.astype(jnp.uint32)),
+}

@@ -118,6 +118,16 @@ def e4m3_bits_to_f32(b: jax.Array) -> jax.Array:
   return jnp.where((b & 0x80) != 0, -mag, mag)
 
 
+def e5m2_bits_to_f32(b: jax.Array) -> jax.Array:
+  """float32 values of E5M2 bytes held in a (u)int32 array (0..255), by integer arithmetic: normal
+  (4 + m) * 2^(e - 17), subnormal m * 2^-16, +-Inf for exponent 31 with m = 0, NaN with m != 0."""
+  e, m = (b >> 2) & 0x1F, b & 3
+  normal = jax.lax.bitcast_convert_type(((e + 112) << 23) | (m << 21), jnp.float32)
+  mag = jnp.where(e == 0, m.astype(jnp.float32) * jnp.float32(2.0**-16), normal)  # subnormal: exact
+  mag = jnp.where(e == 31, jnp.where(m == 0, jnp.float32(jnp.inf), jnp.float32(jnp.nan)), mag)
+  return jnp.where((b & 0x80) != 0, -mag, mag)
+
+
 def e4m3_to_f32(s: jax.Array) -> jax.Array:
   """float32 values of a float8_e4m3fn array, decoded from its bytes (see the module docstring for why not
   `s.astype(jnp.float32)`). NaN for 0x7F / 0xFF."""

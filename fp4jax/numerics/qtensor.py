@@ -1,4 +1,9 @@
-"""QTensor: an FP4-quantized array as a pytree (packed codes + scales as children, layout as static data)."""
+"""QTensor: a quantized array as a pytree (codes + scales + outer factor as children, layout as static data).
+
+FP4 formats hold packed E2M1 codes and block scales; the FP8 formats (`formats.FORMATS` "fp8_e4m3", "fp8_e5m2")
+hold their float8 values as the codes, no block scales, and the per-tensor decode factor as `outer`: one type
+for every operand, so quantizers, fp4_dot and the GEMM backends pass FP8 operands like FP4 ones.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,28 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fp4jax.numerics.codecs import ELEMENT_DECODERS
 from fp4jax.numerics.formats import FormatSpec, get_format
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-  """A tensor quantized to FP4 along one axis.
+  """A tensor quantized to FP4 (or FP8) along one axis.
 
   Layout ("K-major"): the quantized axis is moved last, the others keep their order. For `x[M, K]` quantized
   along K the codes are `[M, K/2]`; quantized along M (the wgrad view) they are `[K, M/2]`, i.e. already the
   transposed layout the wgrad GEMM reads. `dequantize` moves the axis back.
 
   Children (arrays):
-    codes: uint8 `[..., n // 2]`, two E2M1 codes per byte, the even element in the low nibble.
+    codes: FP4: uint8 `[..., n // 2]`, two E2M1 codes per byte, the even element in the low nibble. FP8:
+      the float8_e4m3fn / float8_e5m2 values `[..., n]` themselves, what an FP8 GEMM reads.
     scales: `[..., n // block]` block scales, uint8 E8M0 (2**(s - 127); 255 = NaN) or float8_e4m3fn. 2-D
       (tile) quantization stores each tile's scale in every row of the tile, so both orientations read the
-      same 1-D layout.
+      same 1-D layout. None for the FP8 formats (no block scales).
     outer: float32 decode factor on top of the scales, or None (= 1): shape `()` for one factor per tensor
-      (NVFP4 global: 1 / S_enc), or `codes.shape[:-1]` for one per row (tile-local NVFP4: constant within a
-      row tile). Dequantized value = e2m1(code) * scale * outer.
+      (NVFP4 global: 1 / S_enc; FP8: 1 / S, its only scale), or `codes.shape[:-1]` for one per row (tile-local
+      NVFP4: constant within a row tile). Dequantized value = element(code) * scale * outer.
   Static:
     fmt: format name (a key of `fp4jax.formats.FORMATS`).
     axis: the quantized axis of the original array (non-negative).
@@ -34,7 +41,7 @@ class QTensor:
   """
 
   codes: jax.Array
-  scales: jax.Array
+  scales: jax.Array | None
   outer: jax.Array | None
   fmt: str = dataclasses.field(metadata=dict(static=True))
   axis: int = dataclasses.field(metadata=dict(static=True))
@@ -54,17 +61,23 @@ class QTensor:
   @property
   def nbytes(self) -> int:
     """Bytes held on device (codes + scales + outer)."""
-    leaves = [self.codes, self.scales] + ([] if self.outer is None else [self.outer])
+    leaves = (a for a in (self.codes, self.scales, self.outer) if a is not None)
     return sum(int(a.size) * a.dtype.itemsize for a in leaves)
 
   def unpacked_codes(self) -> jax.Array:
-    """uint8 codes, one per element, in the K-major layout `kmajor_shape`."""
+    """uint8 codes, one per element, in the K-major layout `kmajor_shape` (FP8: the values' bytes)."""
+    if self.spec.element_spec.per_byte == 1:
+      return jax.lax.bitcast_convert_type(self.codes, jnp.uint8)
     lo = self.codes & jnp.uint8(0x0F)
     hi = self.codes >> jnp.uint8(4)
     return jnp.stack([lo, hi], axis=-1).reshape(self.kmajor_shape)
 
+  def element_values(self) -> jax.Array:
+    """float32 values of the elements (unscaled), K-major `kmajor_shape`, decoded from the codes' bits."""
+    return ELEMENT_DECODERS[self.spec.element](self.unpacked_codes())
+
   def as_float4(self) -> jax.Array:
-    """The codes as a `jnp.float4_e2m1fn` array in the K-major layout (values unscaled); no copy of data."""
+    """FP4 formats: the codes as a `jnp.float4_e2m1fn` array in the K-major layout (values unscaled); no copy."""
     return jax.lax.bitcast_convert_type(self.codes, jnp.float4_e2m1fn).reshape(self.kmajor_shape)
 
 

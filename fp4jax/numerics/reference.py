@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.numerics import ieee, prng
+from fp4jax.numerics import current_scaling, ieee, prng
 from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr, e4m3_rn, e4m3_sr
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
@@ -140,10 +140,7 @@ def _encode(v: jax.Array, cfg: _Cfg, u: jax.Array | None) -> jax.Array:
   return _ENCODERS[cfg.rounding](v, u)
 
 
-_ENCODERS: dict[str, Callable] = {
-    "rne": lambda v, u: e2m1_encode_rne(v),
-    "sr": e2m1_encode_sr,
-}
+_ENCODERS: dict[str, Callable] = {"rne": lambda v, u: e2m1_encode_rne(v), "sr": e2m1_encode_sr}
 
 
 def _mx_exponent(amax: jax.Array, cfg: _Cfg) -> jax.Array:
@@ -387,7 +384,7 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
 
   Args:
     x: floating-point array (bf16 / f16 / f32), any rank; `x.shape[axis]` a multiple of the format's block.
-    fmt: a key of `fp4jax.formats.FORMATS`.
+    fmt: a key of `fp4jax.formats.FORMATS` (the FP8 ones: `numerics.current_scaling`, rounding "rne" only).
     axis: the quantized (contraction) axis; it becomes the last axis of the K-major result.
     rounding: "rne", "sr" (stochastic; needs `key`) or "eden" (MS-EDEN, fmt "nvfp4", input already rotated,
       axis length a multiple of 128; needs `key`).
@@ -403,6 +400,8 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
   """
   spec = get_format(fmt)
   cfg = _check(x, spec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows, tensor_amax)
+  if not spec.block_scaled:  # FP8, one factor per tensor (`numerics.current_scaling`)
+    return current_scaling.quantize(x, spec, cfg.axis, rounding=rounding, tile_2d=tile_2d, tensor_amax=tensor_amax)
   xk = jnp.moveaxis(x.astype(jnp.float32), cfg.axis, -1)  # [..., n]
   lead, n = xk.shape[:-1], xk.shape[-1]
   xb = xk.reshape(*lead, n // spec.block, spec.block)  # [..., nb, B]
@@ -448,13 +447,13 @@ def decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
-  """The values a QTensor stands for, in the original shape, as `dtype`: e2m1(code) * scale * outer, each
-  product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`)."""
-  spec = q.spec
-  vals = e2m1_decode(q.unpacked_codes())  # [..., n]
+  """The values a QTensor stands for, in the original shape, as `dtype`: element(code) * scale * outer (FP8: no
+  block scale), each product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`)."""
+  spec, vals = q.spec, q.element_values()  # [..., n]
   *lead, n = vals.shape
-  scale = decode_scales(q.scales, spec)  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it
-  vals = ieee.mul_scale(vals.reshape(*lead, n // spec.block, spec.block), scale[..., None]).reshape(vals.shape)
+  if q.scales is not None:  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it
+    scale = decode_scales(q.scales, spec)[..., None]
+    vals = ieee.mul_scale(vals.reshape(*lead, n // spec.block, spec.block), scale).reshape(vals.shape)
   if q.outer is not None:
     vals = ieee.mul_scale(vals, q.outer if q.outer.ndim == 0 else q.outer[..., None])
   return jnp.moveaxis(vals, -1, q.axis).astype(dtype)

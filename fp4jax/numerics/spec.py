@@ -65,7 +65,8 @@ class OperandSpec:
   """How one GEMM operand is quantized along the GEMM's contraction axis.
 
   Attributes:
-    fmt: a key of `FORMATS`, or None to keep the operand in high precision.
+    fmt: a key of `FORMATS`, or None to keep the operand in high precision. A format without block scales (FP8,
+      one factor per tensor) takes rounding "rne" and no 2-D tiles.
     rounding: a key of `ROUNDINGS` ("rne", "sr", or "eden": MS-EDEN, NVFP4 1-D blocks only, normally after a
       random Hadamard transform).
     transform: None or a key of `TRANSFORMS`, applied along the contraction axis (to both operands of the
@@ -88,12 +89,14 @@ class OperandSpec:
           "rne", None, False, None, None):
         raise ValueError(f"a high-precision operand (fmt=None) takes no other options: {self}")
       return
-    check_choice("FP4 format", self.fmt, FORMATS)
+    check_choice("format", self.fmt, FORMATS)
     check_choice("rounding", self.rounding, ROUNDINGS)
     if self.transform is not None:
       check_choice("transform", self.transform, TRANSFORMS)
     if self.scale_rule is not None:
       check_choice("scale_rule", self.scale_rule, SCALE_RULES)
+    if not FORMATS[self.fmt].block_scaled and (self.rounding != "rne" or self.tile_2d):
+      raise ValueError(f"fmt={self.fmt!r} scales per tensor: it takes rounding='rne' and no 2-D tiles: {self}")
     rounding = ROUNDINGS[self.rounding]
     if (rounding.formats is not None and self.fmt not in rounding.formats) or (
         self.tile_2d and not rounding.tile_2d):

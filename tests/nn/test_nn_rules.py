@@ -43,8 +43,8 @@ def test_parse_errors_are_clear(specs, error, match):
 
 
 def test_unknown_default_route():
-  with pytest.raises(ValueError, match="unknown route 'fp8'"):
-    RouteRules((), default="fp8")
+  with pytest.raises(ValueError, match="unknown route 'fp6'"):
+    RouteRules((), default="fp6")
 
 
 def test_standard_preset():

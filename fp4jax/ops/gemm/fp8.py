@@ -1,4 +1,5 @@
-"""Hopper (sm90) FP4 GEMM: MXFP4 through one FP8 GEMM, NVFP4 through an exact bf16 GEMM.
+"""Hopper (sm90) GEMM: MXFP4 through one FP8 GEMM, NVFP4 through an exact bf16 GEMM, and the FP8 formats of
+the fp8 route (per-tensor current scaling) through one FP8 GEMM with their scales folded in.
 
 Hopper tensor cores have FP8 but no FP4. Two exact re-encodings make the FP4 product run on them:
 
@@ -21,6 +22,16 @@ has at most 6 significant bits and a magnitude in [2^-10, 6 * 448], so q * s_b i
 bits, float32's exponent range). A bf16 x bf16 -> float32 dot_general does the GEMM (products exact in float32);
 the outer factors (per tensor or per row, float32) multiply the result. An MXFP4 operand in a mixed pair is
 dequantized to bf16 the same way (exact while its block exponents stay within [-125, 125]: bf16 normal range).
+
+FP8 x FP8 (the fp8 route, `numerics.current_scaling`): the operands already are float8 values with one float32
+decode factor per tensor, so the GEMM is `scaled_fp8_dot` as it stands, the scaled-FP8 pattern the MXFP4 fast
+path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale (seen on an H200
+for operands passed in; inside fp4_dot, the quantizer must hand over the float8 cast itself, with no select
+after it: `numerics.current_scaling`; the GPU tests check both). XLA:CPU computes
+the same program by upcasting: value * factor rounded once per element as `dequantize` does, then a float32
+dot, so it equals the emulated product up to the order of the sums. Accumulation follows Transformer Engine's
+HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to float32 in the GEMMs
+of the E5M2 gradient (dgrad, wgrad). cuBLASLt has no E5M2 x E5M2 GEMM, so that pair is not supported here.
 """
 
 from __future__ import annotations
@@ -73,23 +84,32 @@ def _bf16_values(q: QTensor) -> jax.Array:
   return (vals * scale[..., None]).reshape(r, k).astype(jnp.bfloat16)
 
 
-def _scaled_fp8_dot(av: jax.Array, sa: jax.Array, bv: jax.Array, sb: jax.Array, out_dtype) -> jax.Array:
-  """(av * sa) @ (bv * sb).T for float8 [M, K], [N, K] and scalar power-of-two factors, written in XLA's
-  scaled-FP8 pattern (dequantize = convert * scalar, then dot) so the GPU compiler emits one cuBLASLt FP8 GEMM
-  with the factors fused in."""
-  dt = jnp.bfloat16
-  a_dq = av.astype(dt) * sa.astype(dt)  # exact: a power of two times an E4M3 value, within bf16's range
-  b_dq = bv.astype(dt) * sb.astype(dt)
-  out = jax.lax.dot_general(a_dq, b_dq, KMAJOR_DOT, preferred_element_type=_gemm_out_dtype(out_dtype))
+def scaled_fp8_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, out_dtype, *,
+                   dq_dtype=jnp.float32, precision: jax.lax.Precision | None = None) -> jax.Array:
+  """(a * a_scale) @ (b * b_scale)^T for float8 a [M, K], b [N, K] (K-major) and scalar float32 scales: ONE FP8
+  GEMM on a GPU.
+
+  Written in XLA's scaled-FP8 pattern (dequantize = convert to `dq_dtype` times a broadcast scalar, then dot), so
+  the GPU compiler emits a cuBLASLt FP8 GEMM ("TN": both operands K-major) with the scales fused in as its
+  a_scale / b_scale, and writes `out_dtype` directly where narrower than float32 (`_gemm_out_dtype`). Elsewhere
+  XLA computes it as written. dq_dtype must hold value * scale exactly where the caller needs exactness (bf16
+  for power-of-two scales; float32 rounds each product once, as `dequantize` does). precision: the dot's
+  (None: JAX's default); on Hopper DEFAULT selects FP8 fast accumulation, HIGHEST promotes partial sums.
+  """
+  a_dq = a.astype(dq_dtype) * a_scale.astype(dq_dtype)
+  b_dq = b.astype(dq_dtype) * b_scale.astype(dq_dtype)
+  out = jax.lax.dot_general(a_dq, b_dq, KMAJOR_DOT, precision=precision,
+                            preferred_element_type=_gemm_out_dtype(out_dtype))
   return out.astype(out_dtype)
 
 
 def fp8_gemm_tensor_scaled(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
-  """One FP8 GEMM with per-tensor factors (`_scaled_fp8_dot`). Exact only when `tensor_span_ok` holds for both
+  """MXFP4 operands as one FP8 GEMM with per-tensor factors (`scaled_fp8_dot`, bf16 dequantization: exact, a
+  power of two times an E4M3 value within bf16's range). Exact only when `tensor_span_ok` holds for both
   operands (`_gemm_mx_fp8` checks)."""
   av, sa = encoding.fp8_tensor_operand(a)
   bv, sb = encoding.fp8_tensor_operand(b)
-  return _scaled_fp8_dot(av, sa, bv, sb, out_dtype)
+  return scaled_fp8_dot(av, sa, bv, sb, out_dtype, dq_dtype=jnp.bfloat16)
 
 
 def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
@@ -106,8 +126,8 @@ def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   av, bv = (encoding.fp8_values(q, jnp.where(ok, t, r)) for q, t, r in zip((a, b), e_t, e_row))
 
   def per_tensor():
-    return _scaled_fp8_dot(av, ieee.pow2(e_t[0] - encoding.FP8_HEADROOM), bv,
-                           ieee.pow2(e_t[1] - encoding.FP8_HEADROOM), out_dtype)
+    return scaled_fp8_dot(av, ieee.pow2(e_t[0] - encoding.FP8_HEADROOM), bv,
+                          ieee.pow2(e_t[1] - encoding.FP8_HEADROOM), out_dtype, dq_dtype=jnp.bfloat16)
 
   def per_row():
     rows = [encoding.row_factors(q.scales, r) for q, r in zip((a, b), e_row)]
@@ -116,26 +136,44 @@ def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   return jax.lax.cond(ok, per_tensor, per_row)
 
 
+# (a's element, b's element) of two FP8 operands -> the dot's precision (module docstring: TE's HYBRID recipe,
+# fast accumulation for fprop only). A pair missing here has no cuBLASLt FP8 GEMM.
+_FP8_PRECISION: dict[tuple[str, str], jax.lax.Precision] = {
+    ("e4m3", "e4m3"): jax.lax.Precision.DEFAULT,  # fprop X W
+    ("e5m2", "e4m3"): jax.lax.Precision.HIGHEST,  # dgrad dY W^T
+    ("e4m3", "e5m2"): jax.lax.Precision.HIGHEST,  # wgrad X^T dY
+}
+
+
+def _gemm_tensor_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+  """FP8 operands with one decode factor per tensor (the fp8 route): one scaled FP8 GEMM."""
+  precision = _FP8_PRECISION[(a.spec.element, b.spec.element)]
+  return scaled_fp8_dot(a.codes, a.outer, b.codes, b.outer, out_dtype, precision=precision)
+
+
 def _gemm_bf16(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   acc = jax.lax.dot_general(_bf16_values(a), _bf16_values(b), KMAJOR_DOT,
                             preferred_element_type=jnp.float32)  # [M, N]
   return base.apply_outer(acc, a, b).astype(out_dtype)
 
 
-# (a's scale kind, b's scale kind) -> GEMM.
+# (a's scale kind, b's scale kind) -> GEMM ("none": an FP8 format, scaled per tensor).
 _GEMMS: dict[tuple[str, str], Callable[[QTensor, QTensor, jnp.dtype], jax.Array]] = {
     ("e8m0", "e8m0"): _gemm_mx_fp8,
     ("e4m3", "e4m3"): _gemm_bf16,
     ("e8m0", "e4m3"): _gemm_bf16,
     ("e4m3", "e8m0"): _gemm_bf16,
+    ("none", "none"): _gemm_tensor_fp8,
 }
 
 
 def supports(a: QTensor, b: QTensor) -> bool:
-  """2-D operands with one K, any pair of MXFP4 / NVFP4 formats (MX x MX on FP8, the rest on bf16)."""
+  """2-D operands with one K: any pair of MXFP4 / NVFP4 formats (MX x MX on FP8, the rest on bf16), or two FP8
+  operands of a pair cuBLASLt multiplies (`_FP8_PRECISION`: not E5M2 x E5M2)."""
   if len(a.shape) != 2 or len(b.shape) != 2 or a.kmajor_shape[1] != b.kmajor_shape[1]:
     return False
-  return (a.spec.scale, b.spec.scale) in _GEMMS
+  kinds = (a.spec.scale, b.spec.scale)
+  return kinds in _GEMMS and (kinds != ("none", "none") or (a.spec.element, b.spec.element) in _FP8_PRECISION)
 
 
 def gemm(a: QTensor, b: QTensor, *, out_dtype=jnp.float32) -> jax.Array:

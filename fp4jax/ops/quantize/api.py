@@ -10,8 +10,9 @@ every choice gives the reference's bits and the caller never sees the gap. Inval
 be quantized, a missing key) raises ValueError from whichever implementation meets it.
 
 Both views of one array (`quantize_views`), e.g. X for fprop (along K, the row view) and wgrad (along M, the
-column view), come from one pass where a dual-view kernel covers both recipes; otherwise each view goes
-through `quantize_operand` on its own.
+column view), come from one pass where a dual-view kernel covers both recipes (the FP8 formats: one XLA
+quantization, its transpose the other view); otherwise each view goes through `quantize_operand` on its own.
+The Pallas kernels cover the FP4 formats only: FP8 operands always take the XLA link of the chain.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                              functools.partial(pallas.operand, interpret=False)),
     "interpret": Implementation(functools.partial(pallas.views, interpret=True),
                                 functools.partial(pallas.operand, interpret=True)),
-    "xla": Implementation(None, xla.operand),
+    "xla": Implementation(xla.views, xla.operand),
 }
 CHOICES = ("auto", *IMPLEMENTATIONS)
 _CHAINS = {"pallas": ("pallas", "xla"), "interpret": ("interpret", "xla"), "xla": ("xla",)}

@@ -1,14 +1,17 @@
 """fp8 GEMM backend: the GEMM equals the emulated product up to float32 accumulation order, takes the
-per-tensor scaled path exactly when that is exact, and keeps NaN rows and columns."""
+per-tensor scaled path exactly when that is exact, and keeps NaN rows and columns; the FP8 formats of the fp8
+route (per-tensor current scaling) as one scaled FP8 GEMM."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.dot import abs_codes, cublas_fp8_gemms, random_qtensor
+from bench.dot import abs_codes, cublas_fp8_gemms, gemm_targets, random_qtensor
 from fp4jax.numerics import fp8 as fp8_encoding
 from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.reference import quantize
+from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
 from mx_operands import dequantized, mx_qtensor, random_mx
@@ -103,3 +106,50 @@ def test_fp8_path_is_cublas_fp8_gemm_on_gpu():
   a, b = random_qtensor(key, "mxfp4", 4096, 4096), random_qtensor(key, "mxfp4", 4096, 4096)
   hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
   assert cublas_fp8_gemms(hlo)
+
+
+FP8_PAIRS = [("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2")]  # fprop, dgrad, wgrad
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b", FP8_PAIRS)
+def test_fp8_formats_gemm_matches_emulated(fmt_a, fmt_b):
+  """Per-tensor FP8 operands: XLA:CPU rounds value * factor once per element, as `dequantize` does, and dots in
+  float32, so the product differs from the emulated one only in the order of the sums: |diff| <= 2 K 2^-24
+  (|A| |B|^T) for the dequantized A, B."""
+  m, n, k = 24, 40, 200
+  ka, kb = jax.random.split(jax.random.key(len(fmt_a) + 3 * len(fmt_b)))
+  a = quantize(jax.random.normal(ka, (m, k)) * 30, fmt_a)  # K-major [M, K]
+  b = quantize(jax.random.normal(kb, (n, k)) * 1e-3, fmt_b)  # K-major [N, K]
+  assert gemm_fp8.supports(a, b) and gemm_lib.select(a, b, "fp8") == "fp8"
+  ad, bd = dequantized(a).astype(np.float64), dequantized(b).astype(np.float64)
+  bound = 2 * k * 2.0**-24 * (np.abs(ad) @ np.abs(bd).T)
+  ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
+  out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
+  assert out.shape == (m, n) and out.dtype == np.float32
+  assert np.all(np.abs(out - ref) <= bound)
+  out16 = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16))(a, b)
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-8, atol=float(bound.max()))
+
+
+def test_fp8_pairs_without_a_cublaslt_gemm_are_not_supported():
+  """cuBLASLt has no E5M2 x E5M2 FP8 GEMM, and FP8 x FP4 pairs have no FP8 path: "auto" takes the emulated
+  backend, a named "fp8" fails clearly."""
+  e5 = quantize(jnp.ones((8, 64)), "fp8_e5m2")
+  for b in (e5, quantize(jnp.ones((4, 64)), "mxfp4")):
+    assert not gemm_fp8.supports(e5, b)
+    assert gemm_lib.select(e5, b) == "emulated"
+    with pytest.raises(ValueError, match="GEMM backend 'fp8' does not support a.fmt='fp8_e5m2'"):
+      gemm_lib.select(e5, b, "fp8")
+  assert not gemm_fp8.supports(e5, quantize(jnp.ones((4, 32)), "fp8_e4m3"))  # K differs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_a,fmt_b", FP8_PAIRS)
+def test_fp8_formats_are_one_cublaslt_fp8_gemm_on_gpu(fmt_a, fmt_b):
+  """The scales fold into the GEMM: one cuBLASLt FP8 custom call and nothing else that multiplies."""
+  ka, kb = jax.random.split(jax.random.key(1))
+  a = quantize(jax.random.normal(ka, (4096, 4096), jnp.bfloat16), fmt_a)
+  b = quantize(jax.random.normal(kb, (4096, 4096), jnp.bfloat16), fmt_b)
+  hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
+  assert gemm_targets(hlo) == ["__cublas$lt$matmul$f8"], gemm_targets(hlo)

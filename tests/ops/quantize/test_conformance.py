@@ -30,6 +30,7 @@ MX_W = S("mxfp4", tile_2d=True, scale_rule="noclip", clip_fraction=0.87)
 NV, NV_SR, NV_W = S("nvfp4"), S("nvfp4", "sr"), S("nvfp4", tile_2d=True)
 NVT, NVT_SR = S("nvfp4_tile"), S("nvfp4_tile", "sr")
 EDEN = S("nvfp4", "eden", transform="rht128")
+E4M3, E5M2 = S("fp8_e4m3"), S("fp8_e5m2")  # the fp8 route's per-tensor current scaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,14 @@ CASES = [
     Case("mx float32", MX, axis=1, kernel=False, dtype="float32"),
     Case("mx 48 rows: no kernel tile", MX, axis=1, kernel=False, shape=(48, 64)),
     Case("nv 3-D", NV_SR, axis=2, kernel=False, shape=(2, 32, 64)),
+    # FP8, scaled per tensor: no Pallas kernel (they cover FP4); the chain's XLA link quantizes once and reads
+    # the other view as the transpose, bit for bit the reference's second quantization.
+    Case("fp8 X e4m3 views", E4M3, E4M3, kernel=False),
+    Case("fp8 dY e5m2 views", E5M2, E5M2, kernel=False),
+    Case("fp8 e5m2 views float32", E5M2, E5M2, kernel=False, dtype="float32"),
+    Case("fp8 e4m3|e5m2", E4M3, E5M2, kernel=False),
+    Case("fp8 odd shape axis 0", E4M3, axis=0, kernel=False, shape=(48, 72)),
+    Case("fp8 3-D", E5M2, axis=1, kernel=False, shape=(2, 24, 40)),
 ]
 KINDS = ("normal", "heavy", "row_spread")
 # "xla" is the reference itself; the GPU-compiled reference is checked against numpy in tests/numerics.
@@ -151,7 +160,8 @@ def test_matches_reference(case: Case, implementation: str):
 
 EDGE_SPECS = [("mx dY sr|rne+h32", MX_SR, S("mxfp4", transform="h32")), ("nv dY sr|sr+rht16", NV_SR,
               S("nvfp4", "sr", transform="rht16")), ("nvtile W 16x16", S("nvfp4_tile", tile_2d=True),
-              S("nvfp4_tile", tile_2d=True)), ("eden", EDEN, EDEN)]
+              S("nvfp4_tile", tile_2d=True)), ("eden", EDEN, EDEN), ("fp8 e4m3 views", E4M3, E4M3),
+              ("fp8 e5m2 views", E5M2, E5M2)]
 EDGE_INPUTS = {
     "zeros": lambda shape: np.zeros(shape, np.float32),
     "tiny": lambda shape: np.full(shape, 3e-39, np.float32) * np.arange(1, shape[1] + 1),  # bf16 subnormals
