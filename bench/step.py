@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
   parser.add_argument("--layers", type=int, help="keep the preset's layer shapes with this many layers")
   parser.add_argument("--tokens", default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--routes", nargs="+", default=["bf16", "mxfp4", "mxfp4_h32", "nvfp4"])
+  parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4_h32", "nvfp4"])
   parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
   parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")

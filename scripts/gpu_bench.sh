@@ -47,9 +47,9 @@ for part in "${parts[@]}"; do
     step)
       log "whole train steps: Llama-1B seq 2048, Llama-3-8B blocks (4 layers), with the time by category"
       timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --profile --out "$OUT/step_1b.json" \
-        --routes ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14
+        --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14
       timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --profile \
-        --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14 ;;
+        --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \
