@@ -76,7 +76,8 @@ LAUNCHES = {
     "nvfp4_tile_local": 3,  # X, W (dgrad + fprop views), dY (SR + RNE)
     "nvfp4": 5,  # X (fprop + RHT16 wgrad), W (16x16 tiles), dY (SR dgrad + SR RHT16 wgrad); the two RHT16
     # views' rotated amax passes
-    "quartet2": 8,  # 4/6 forward in XLA; MS-EDEN X^, W^ and dY's two views: rotated amax + quantizer each
+    "quartet2": 10,  # 4/6 forward X and W (one launch each); MS-EDEN X^, W^ and dY's two views: rotated amax +
+    # quantizer each
 }
 
 
