@@ -107,7 +107,7 @@ def planned_bytes(compiled) -> int | None:
 
 def _is_oom(err: Exception) -> bool:
   text = str(err)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:

@@ -107,17 +107,20 @@ def operand_keys(spec: OperandSpec, key: jax.Array, role: str) -> OperandKeys:
                      None if transform is None else jax.random.fold_in(key, transform))
 
 
-def role_keys(route: Route, key: jax.Array | None, roles: tuple[str, ...]) -> dict[str, OperandKeys]:
-  """`operand_keys(route.spec(role), key, role)` for each of `roles`, derived in ONE vectorized fold_in.
+def fold_in_all(key: jax.Array, indices) -> jax.Array:
+  """[fold_in(key, i) for i in indices] as one vectorized fold_in (a batch of keys, indexable), the same bits as
+  one fold_in per index: fold_in is elementwise in its data. One threefry over the indices instead of one
+  (~150-330 HLO instructions) per index, at every call site a model inlines."""
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(indices, jnp.uint32))
 
-  The same keys, bit for bit (fold_in is elementwise in its data, so vmapping it over the indices changes
-  nothing); one threefry over a few indices instead of one ~330-instruction threefry per index keeps a model's
-  program small (each fp4_dot call site would otherwise inline its own copies)."""
+
+def role_keys(route: Route, key: jax.Array | None, roles: tuple[str, ...]) -> dict[str, OperandKeys]:
+  """`operand_keys(route.spec(role), key, role)` for each of `roles`, derived in one `fold_in_all`."""
   wanted = {r: _key_indices(route.spec(r), r) for r in roles}
   indices = sorted({i for pair in wanted.values() for i in pair if i is not None})
   if not indices:
     return {r: OperandKeys(None, None) for r in roles}
-  derived = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(indices, jnp.uint32))
+  derived = fold_in_all(key, indices)
   pick = lambda i: None if i is None else derived[indices.index(i)]
   return {r: OperandKeys(pick(rounding), pick(transform)) for r, (rounding, transform) in wanted.items()}
 

@@ -36,19 +36,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fp4jax.numerics import ieee
 from fp4jax.numerics.formats import FormatSpec
 from fp4jax.numerics.qtensor import QTensor
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
 
 def encode_factor(amax: jax.Array, fp8_max: float) -> jax.Array:
-  """S = fp32(fp8_max / amax), correctly rounded; 1 where amax = 0, at most float32 max; NaN stays NaN."""
-  s = ieee.div(jnp.float32(fp8_max), jnp.where(amax == 0, 1.0, amax))
-  return jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))
+  """S = fp32(fp8_max / amax), correctly rounded; 1 where amax = 0, at most float32 max; NaN stays NaN
+  (`ieee.amax_factor`)."""
+  return ieee.amax_factor(jnp.float32(fp8_max), amax)
 
 
 def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne", tile_2d: bool = False,

@@ -93,6 +93,15 @@ def div(a: jax.Array, b: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(out.astype(jnp.uint32), jnp.float32)
 
 
+def amax_factor(numerator: jax.Array, amax: jax.Array) -> jax.Array:
+  """The encode factor a scale-from-amax recipe aims with: fp32(numerator / amax) correctly rounded (`div`),
+  1 where amax = 0 (nothing to scale), at most float32 max (an amax so small the quotient overflows); NaN
+  stays NaN. NVFP4's S_enc (numerator 448 * 6, over a headroom) and FP8 current scaling's S (the element max)
+  are both this."""
+  s = div(numerator, jnp.where(amax == 0, 1.0, amax))
+  return jnp.where(amax == 0, 1.0, jnp.minimum(s, jnp.finfo(jnp.float32).max))
+
+
 def div_pow2(a: jax.Array, d: jax.Array) -> jax.Array:
   """a / d for d a normal power of two whose reciprocal is normal too (|d| in [2^-126, 2^126]): a times the
   exact reciprocal, one rounding, so the correctly rounded quotient for normal a and quotient (subnormals

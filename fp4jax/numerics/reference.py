@@ -192,9 +192,8 @@ _OUTER_AMAX: dict[str, Callable] = {"tensor": _tensor_amax, "row_tile": _row_til
 
 
 def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
-  """S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max; NaN stays NaN)."""
-  s = ieee.div(jnp.float32(scale_max * E2M1_MAX), jnp.where(amax == 0, 1.0, amax))
-  return jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))
+  """S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max; NaN stays NaN: `ieee.amax_factor`)."""
+  return ieee.amax_factor(jnp.float32(scale_max * E2M1_MAX), amax)
 
 
 def nvfp4_outer(s_enc: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from fp4jax import route as route_lib
 from fp4jax.impl import Impl
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
@@ -47,13 +48,12 @@ def _block_linear_index(layer: int | jax.Array, group: str, name: str) -> int | 
 
 
 def _fold(key: jax.Array | None, layer: int | jax.Array, group: str) -> dict[str, jax.Array | None]:
-  """Each linear of `group`'s key, fold_in(key, its index), derived in one vectorized fold_in (the same bits as
-  one fold_in per linear, in a smaller program: each threefry is ~330 HLO instructions per call site)."""
+  """Each linear of `group`'s key, fold_in(key, its index), derived in one `route.fold_in_all`."""
   names = ATTN_LINEARS if group == "attn" else MLP_LINEARS
   if key is None:
     return dict.fromkeys(names)
-  indices = jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32) for n in names])
-  keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, indices)
+  keys = route_lib.fold_in_all(key, jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32)
+                                               for n in names]))
   return {n: keys[i] for i, n in enumerate(names)}
 
 

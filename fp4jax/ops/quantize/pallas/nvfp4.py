@@ -145,8 +145,8 @@ def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str]
   column = lambda values: jnp.concatenate([jnp.full((n,), v, jnp.float32) for n, v in zip(counts, values)])
   amax = jnp.concatenate(per_program)  # [P_r + P_c]
   scale_max = get_format(fmt).scale_max
-  s = ieee.div(column([np.float32(scale_max / h * E2M1_MAX) for h in heads]), jnp.where(amax == 0, 1.0, amax))
-  s = jnp.where(amax == 0, 1.0, jnp.minimum(s, _F32_MAX))  # reference.nvfp4_encode_scale, per view's headroom
+  # reference.nvfp4_encode_scale with each view's headroom: the numerator fp32(scale_max / H * 6) per program
+  s = ieee.amax_factor(column([np.float32(scale_max / h * E2M1_MAX) for h in heads]), amax)
   outer = reference.nvfp4_outer(s)
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
   o, shift = ieee.lift(outer)  # outer * 2^L, normal
