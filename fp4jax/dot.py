@@ -17,6 +17,8 @@ Residuals (what the forward saves for the backward): only what the backward GEMM
     With 2-D tiles and dgrad_w == fprop_w (RNE, no transform) it is the fprop QTensor read in the other
     orientation (same codes and tile scales, no second quantization).
   * the key.
+  Each saved array is tagged `checkpoint_name(..., RESIDUALS)`, so a `jax.checkpoint` policy (the scanned Llama
+  blocks') can keep them instead of re-running the quantizers in the backward.
   With `requantize_saved` (Quartet II) those QTensors are quantized from the dequantized fprop FP4 X and W,
   never from the high-precision inputs. Quantizing X and W for the backward in the forward pass gives the same
   numbers as doing it in the backward (same keys) and keeps FP4, not bf16, alive between the passes.
@@ -36,6 +38,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
 from fp4jax.impl import Impl
@@ -112,6 +116,10 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
+
+
+# `checkpoint_name` of the residuals (module docstring).
+RESIDUALS = "fp4jax.fp4_dot.residuals"
 
 
 def _pad2d(a: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -250,7 +258,8 @@ def _forward_saving(plan: _Plan, x, w, key):
       w_dgrad = other_orientation(wb)
     else:
       w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl)
-  return _gemm(xa, wb, plan.out_dtype, plan.impl), (x_wgrad, w_dgrad, key)
+  saved = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS), (x_wgrad, w_dgrad))
+  return _gemm(xa, wb, plan.out_dtype, plan.impl), (*saved, key)
 
 
 @functools.partial(jax.jit, static_argnums=0)

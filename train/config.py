@@ -51,7 +51,7 @@ class ModelConfig:
 
   dtype is the activation/compute dtype of the non-FP4 parts ("bfloat16" on accelerators; "float32" is ~3x
   faster on CPU, where XLA emulates bf16 dots). scan_layers: compile each run of same-route blocks once
-  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps and more memory (same numbers).
+  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps (same numbers).
   """
   preset: str = "tiny"
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)

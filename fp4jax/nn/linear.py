@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
 from fp4jax.dot import fp4_dot
@@ -35,6 +36,11 @@ def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
   return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
 
 
+# `checkpoint_name` of every FP4Linear output: a `jax.checkpoint` policy keeps these (bf16 activations the
+# next op's backward reads) rather than re-running the product.
+OUTPUT = "fp4jax.linear.output"
+
+
 class FP4Linear(nnx.Module):
   """y = x @ kernel (+ bias), the matmul done by `fp4_dot` under `route`.
 
@@ -42,7 +48,7 @@ class FP4Linear(nnx.Module):
   the optimizer updates full-precision master weights while the GEMM sees bf16 (then FP4 per the route).
   The route and the implementation choice (`impl`: quantizer implementation, GEMM backend) are kept as static
   attributes: they are part of the graph definition, not of the state, so changing them means building a new
-  module.
+  module. The output is tagged `checkpoint_name(y, OUTPUT)`.
   """
 
   def __init__(
@@ -85,7 +91,7 @@ class FP4Linear(nnx.Module):
                 impl=self.impl, out_dtype=self.out_dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.out_dtype)
-    return y  # [..., out]
+    return checkpoint_name(y, OUTPUT)  # [..., out]
 
 
 def fp4_dot_general(route: str | Route, key: jax.Array | None = None,

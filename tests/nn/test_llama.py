@@ -267,6 +267,26 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
                             g_scanned["layers"][2]["mlp"]["up"]["kernel"][...])
 
 
+@pytest.mark.parametrize("route", ["bf16", "mxfp4"])
+def test_scanned_blocks_save_only_bf16_activations_and_quantized_operands(route, capsys):
+  # The scan stacks what its body saves for the backward (one slice per block). Under SCAN_SAVES that is the
+  # linears' bf16 outputs and fp4_dot's uint8 codes and scales; never RMSNorm's or SwiGLU's float32
+  # intermediates (JAX's default saved them all: twice the unrolled step's memory at 1B on an H200).
+  config = dataclasses.replace(TINY, n_layers=3, attention_impl="xla")
+  model = Llama(config, rules=RouteRules.standard(route, n_layers=3, bf16_first=0, bf16_last=0),
+                rngs=nnx.Rngs(0), scan_layers=True)
+  graphdef, state = nnx.split(model)
+  tokens = _tokens()
+  jax.ad_checkpoint.print_saved_residuals(
+      lambda s: nnx.merge(graphdef, s)(tokens, key=jax.random.key(0)).sum(), state)
+  stacked = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " output of scan " in line]
+  kinds = {dtype.split("[")[0] for dtype in stacked}
+  assert kinds == ({"bf16"} if route == "bf16" else {"bf16", "u8"}), stacked
+  # Per block: 6 linear outputs (the last linear's output is only added to the residual stream) plus, on
+  # the XLA attention path, what its backward reads; an FP4 route adds codes and scales of X and W.
+  assert all(shape.startswith(("bf16[3,", "u8[3,")) for shape in stacked), stacked
+
+
 def test_attention_auto_is_xla_off_gpu_and_falls_back_without_cudnn():
   """attention_impl="auto": XLA's attention on CPU (bit for bit); lowering for an H200 on a machine without
   cuDNN takes the cuDNN path, which refuses at trace time, so it warns and uses XLA's."""

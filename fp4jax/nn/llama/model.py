@@ -5,23 +5,54 @@ Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with 
 consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the call:
 compile time then grows with the number of distinct runs, not with depth, the parameter tree is unchanged,
 and gradients flow back to each block through the stack; both give bit-identical numbers (the layer index
-reaches the per-linear keys as a traced scan input). The scan trades step speed and memory for compile time
-(docs/BENCHMARKS.md has the measurements).
+reaches the per-linear keys as a traced scan input).
+
+What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
+unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
+default) kept every float32 intermediate of RMSNorm and SwiGLU: Llama-1B at 8 x 2048 tokens on an H200 needed
+twice the memory of the unrolled step and ran 20% slower (docs/BENCHMARKS.md). The scanned body is therefore
+a `jax.checkpoint` under `SCAN_SAVES`: it keeps the linears' outputs, fp4_dot's quantized residuals and cuDNN
+attention's output and statistics, and recomputes the elementwise rest (norms, RoPE, SiLU) in the backward,
+where it fuses into the gradient's own passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fp4jax import dot
 from fp4jax.impl import Impl
+from fp4jax.nn import linear
 from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
 from fp4jax.nn.rules import RouteRules
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePolicy:
+  """A `jax.checkpoint` policy: save the values tagged with one of `names`, and the outputs of primitives
+  whose name starts with one of `primitive_prefixes`; recompute everything else in the backward."""
+
+  names: frozenset[str]
+  primitive_prefixes: tuple[str, ...]
+
+  def __call__(self, prim, *_, **params) -> bool:
+    if prim.name == "name":  # jax.ad_checkpoint.checkpoint_name
+      return params["name"] in self.names
+    return prim.name.startswith(self.primitive_prefixes)
+
+
+# What a scanned block keeps for its backward (module docstring): every FP4Linear output, fp4_dot's quantized
+# residuals, and cuDNN flash attention's forward outputs (its output and softmax statistics, which its backward
+# reads; recomputing them would re-run the attention forward).
+SCAN_SAVES = SavePolicy(frozenset({linear.OUTPUT, dot.RESIDUALS}), ("dot_product_attention_fwd",))
 
 
 class Llama(nnx.Module):
@@ -31,7 +62,8 @@ class Llama(nnx.Module):
   `layers.linear_index`), the lm_head fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
-  `lax.scan` (compile time ~ number of distinct runs, not depth; slower steps); False (default) unrolls them,
+  `lax.scan` under the `SCAN_SAVES` checkpoint policy (compile time ~ number of distinct runs, not depth;
+  bf16 steps 12-18% slower on an H200 at 1B and 8B shapes, docs/BENCHMARKS.md); False (default) unrolls them,
   with the same bits.
   """
 
@@ -105,11 +137,11 @@ class Llama(nnx.Module):
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)  # Each leaf [L, ...]
     layer_ids = jnp.arange(group.start, group.stop, dtype=jnp.int32)  # [L]
 
-    def body(h, inputs):
-      state, layer = inputs
-      return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer), None
+    @functools.partial(jax.checkpoint, policy=SCAN_SAVES, prevent_cse=False)  # CSE is safe inside a scan
+    def block(h, state, layer):
+      return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer)
 
-    x, _ = jax.lax.scan(body, x, (stacked, layer_ids))
+    x, _ = jax.lax.scan(lambda h, inputs: (block(h, *inputs), None), x, (stacked, layer_ids))
     return x
 
   def routes(self) -> dict[str, str]:
