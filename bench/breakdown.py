@@ -108,14 +108,30 @@ def breakdown(hlo_text: str, events: list[tuple[str, str, float]]) -> tuple[dict
   """(seconds per category, every category present, plus "unattributed"; the largest unattributed events as
   (hlo_op, kernel, seconds)). An event's category is its instruction's; events whose instruction the module
   text lacks fall back to their kernel's name (`_kernel_category`)."""
-  kinds = categorize(hlo_text)
   out = dict.fromkeys((*CATEGORIES, "unattributed"), 0.0)
   missing: dict[tuple[str, str], float] = collections.defaultdict(float)
-  for op, kernel, seconds in events:
-    category = kinds.get(_op_name(op)) or _kernel_category(kernel)
-    if category is None:
-      category = "unattributed"
-      missing[(op, kernel)] += seconds
+  for (category, op, kernel), seconds in _attributed(hlo_text, events).items():
     out[category] += seconds
+    if category == "unattributed":
+      missing[(op, kernel)] += seconds
   top = sorted(((op, kernel, s) for (op, kernel), s in missing.items()), key=lambda e: -e[2])[:8]
   return out, top
+
+
+def top_kernels(hlo_text: str, events: list[tuple[str, str, float]], n: int = 15) -> list[tuple[str, str, float]]:
+  """The `n` kernels with the most device time, as (category, kernel name, seconds summed over launches):
+  what to compare when two programs' categories differ (a scanned and an unrolled step, say)."""
+  totals: dict[tuple[str, str], float] = collections.defaultdict(float)
+  for (category, _, kernel), seconds in _attributed(hlo_text, events).items():
+    totals[(category, kernel)] += seconds
+  return [(c, k, s) for (c, k), s in sorted(totals.items(), key=lambda e: -e[1])[:n]]
+
+
+def _attributed(hlo_text: str, events: list[tuple[str, str, float]]) -> dict[tuple[str, str, str], float]:
+  """Seconds per (category, hlo_op, kernel) of `events` (see `breakdown`)."""
+  kinds = categorize(hlo_text)
+  out: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+  for op, kernel, seconds in events:
+    category = kinds.get(_op_name(op)) or _kernel_category(kernel) or "unattributed"
+    out[(category, op, kernel)] += seconds
+  return out

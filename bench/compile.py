@@ -2,6 +2,7 @@
 
   python -m bench compile [--shapes 0] [--routes ...]                fp4_dot forward and forward+backward
   python -m bench compile --step 30m [--tokens 8x512] [--scan] [--h200] [--routes ...]   a whole train step
+  python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
@@ -11,15 +12,22 @@ preset's forward, backward and AdamW update (bf16 compute, the route on every li
 lm_head). `--h200` lowers for an abstract H200 on any machine (no compile phase): tracing and lowering are host
 work, so their seconds carry over to the GPU machine's host roughly as the CPUs compare.
 
+`--passes N` compiles under `jax.profiler` and prints the N host events of XLA's compile with the most time
+(HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes):
+where the XLA compile phase itself goes, on the machine it runs on.
+
 Compiles are cold (the persistent cache is off) unless `--warm`.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import glob
 import os
 import re
+import tempfile
 import time
 
 import jax
@@ -38,6 +46,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--tokens", default="8x512", help="--step's batch: BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--scan", action="store_true", help="--step: run same-route blocks as one scanned body")
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
+  parser.add_argument("--passes", type=int, default=0, metavar="N",
+                      help="print the N XLA compile events (passes, backend) that took longest")
 
 
 def kernel_counts(lowered_text: str) -> tuple[int, int]:
@@ -81,8 +91,31 @@ def inlined_size(hlo_text: str) -> int:
   return size(entry) if entry else 0
 
 
-def _phases(fn, args, *, h200: bool) -> dict:
-  """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts."""
+def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]]]:
+  """Compiles `lowered` under `jax.profiler`: (seconds, [(event name, count, seconds)] of the host events XLA
+  recorded while compiling, longest first). Python frames are left out; nested events are each counted."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    t0 = time.perf_counter()
+    with jax.profiler.trace(tmp):
+      lowered.compile()
+    seconds = time.perf_counter() - t0
+    data = ProfileData.from_file(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
+  totals: dict[str, float] = collections.defaultdict(float)
+  counts: collections.Counter = collections.Counter()
+  for plane in data.planes:
+    if plane.name.startswith("/host"):
+      for line in plane.lines:
+        for event in line.events:
+          if not event.name.startswith("$"):
+            totals[event.name] += event.duration_ns * 1e-9
+            counts[event.name] += 1
+  return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])]
+
+
+def _phases(fn, args, *, h200: bool, passes: int = 0) -> dict:
+  """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
+  the longest XLA compile events)."""
   target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
   with target:
     t0 = time.perf_counter()
@@ -90,19 +123,22 @@ def _phases(fn, args, *, h200: bool) -> dict:
     t1 = time.perf_counter()
     lowered = traced.lower(lowering_platforms=("cuda",)) if h200 else traced.lower()
     t2 = time.perf_counter()
-  compile_s = None
-  if not h200:
+  compile_s, events = None, []
+  if not h200 and passes:
+    compile_s, events = compile_events(lowered)
+  elif not h200:
     lowered.compile()
     compile_s = time.perf_counter() - t2
   sites, distinct = kernel_counts(lowered.as_text())
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct,
-          "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text())}
+          "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes]}
 
 
 def _line(name: str, p: dict) -> str:
   compiled = "   n/a" if p["compile"] is None else f"{p['compile']:6.1f}"
-  return (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
+  line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct  hlo {p['hlo'] / 1e3:.1f}k")
+  return "\n".join([line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))])
 
 
 def run(args: argparse.Namespace) -> None:
@@ -117,8 +153,9 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan)
       name = f"{args.step} {'scanned' if args.scan else 'unrolled'} {batch}x{seq} {route}"
-      print(_line(name, _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200)),
-            flush=True)
+      phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
+                       passes=args.passes)
+      print(_line(name, phases), flush=True)
     return
   shapes, m = dot.selected_shapes(args)
   for sname, k, n in shapes:
@@ -126,4 +163,5 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
-        print(_line(f"{sname} {route} {name}", _phases(fn, fargs, h200=args.h200)), flush=True)
+        print(_line(f"{sname} {route} {name}", _phases(fn, fargs, h200=args.h200, passes=args.passes)),
+              flush=True)

@@ -18,7 +18,8 @@ Columns:
            T the sequence length and d the model width (causal attention's QK^T and PV, forward and backward,
            half of the T x T square).
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
-`--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps.
+`--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
+kernels that took the most time (`top_kernels` in the JSON; the first five per route are printed).
 """
 
 from __future__ import annotations
@@ -150,9 +151,11 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
         jax.block_until_ready(loss)
       xplane = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
       events = breakdown.device_events(xplane, module="train_step")
-    seconds, unattributed = breakdown.breakdown(compiled.as_text(), events)
+    hlo_text = compiled.as_text()
+    seconds, unattributed = breakdown.breakdown(hlo_text, events)
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
+    row["top_kernels"] = [(category, kernel, s / 3) for category, kernel, s in breakdown.top_kernels(hlo_text, events)]
   del state
   return row
 
@@ -179,6 +182,9 @@ def _table(rows: list[dict]) -> str:
       b = r["breakdown_s"]
       lines.append(f"{r['route']:18s} " + " ".join(f"{b[c] * 1e3:13.2f}" for c in cats)
                    + f" {sum(b.values()) * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
+    for r in profiled:
+      lines.append(f"top kernels, {r['route']} (ms per step): " + "; ".join(
+          f"{kernel[:48]} [{category}] {s * 1e3:.2f}" for category, kernel, s in r["top_kernels"][:5]))
   return "\n".join(lines)
 
 

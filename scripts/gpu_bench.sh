@@ -35,21 +35,23 @@ for part in "${parts[@]}"; do
         --no-check --unfused --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
         2>&1 | grep -v "compiling and timing" | tail -60 ;;
     compile)
-      log "fp4_dot compile time, XLA's Triton GEMMs on vs $DOT_FLAGS (bench's default)"
-      XLA_FLAGS=--xla_gpu_enable_triton_gemm=true timeout 200 python3 -m bench compile --shapes 0 \
-        --routes mxfp4 nvfp4 2>&1 | tail -8
-      timeout 100 python3 -m bench compile --shapes 0 --routes mxfp4 nvfp4 2>&1 | tail -8
-      log "train step compile phases (cold), Llama-30M 64x512 and 1B 8x1024"
-      timeout ${COMPILE_LIMIT:-400} python3 -m bench compile --step 30m --tokens 64x512 \
-        --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -8
-      timeout ${COMPILE_LIMIT:-400} python3 -m bench compile --step 1b --tokens 8x1024 --routes bf16 mxfp4 2>&1 \
-        | tail -6 ;;
+      log "train step compile (cold): Llama-30M 64x512 unrolled, with XLA's longest compile events"
+      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \
+        --passes 25 --routes bf16 mxfp4 nvfp4 2>&1 | tail -84
+      log "scanned blocks: Llama-30M 64x512 and Llama-1B 8x2048"
+      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 --scan \
+        --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -4
+      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 1b --tokens 8x2048 --scan \
+        --routes bf16 mxfp4 nvfp4 2>&1 | tail -3 ;;
     step)
-      log "whole train steps: Llama-1B seq 2048, Llama-3-8B blocks (4 layers), with the time by category"
-      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --profile --out "$OUT/step_1b.json" \
-        --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14
-      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --profile \
-        --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -14 ;;
+      log "whole train steps, blocks scanned (FP4 routes unrolled compile for minutes at 1B), with the unrolled bf16"
+      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --routes bf16 2>&1 | tail -2
+      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --scan --profile \
+        --out "$OUT/step_1b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -20
+      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 \
+        --routes bf16 2>&1 | tail -2
+      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 --scan \
+        --profile --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -20 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \

@@ -44,6 +44,13 @@ def test_bench_compile_small_smoke(capsys):
   lines = [l for l in capsys.readouterr().out.splitlines() if "mxfp4" in l and "compile" in l]
   assert [l.split()[3] for l in lines] == ["fwd", "fwd+bwd"], lines
 
+
+def test_bench_compile_passes_lists_xla_compile_events(capsys):
+  main(["--compile-cache", "off", "compile", "--small", "--shapes", "0", "--routes", "bf16", "--passes", "3"])
+  events = [l for l in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\.\d+ s\s+\d+x  \S", l)]
+  assert len(events) == 6, events  # three per compile, forward and forward + backward
+  assert not any("$" in l for l in events)  # XLA's events, not Python frames
+
 def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
   rc = main(["quantize", "--interpret", "--shapes", "64x128", "--variants",
@@ -138,6 +145,9 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
   assert seconds["fp8 gemm"] == 2.25 and seconds["bf16 gemm"] == 1.0 and seconds["optimizer"] == 0.5
   assert seconds["unattributed"] == 0.125 and top == [("other.2", "mystery_kernel", 0.125)]
   assert set(seconds) == {*breakdown.CATEGORIES, "unattributed"}
+  events += [("fp8", "nvjet_qqtst", 1.0)]  # a second launch of the same kernel adds to its total
+  assert breakdown.top_kernels(_MODULE, events, n=2) == [("fp8 gemm", "nvjet_qqtst", 3.0),
+                                                         ("bf16 gemm", "sm90_xmma_gemm_bf16", 1.0)]
 
 
 def test_step_flops_per_token_is_6n_plus_attention():
@@ -158,9 +168,10 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   for r in rows:
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0 and r["mfu"] is None
     assert sum(r["breakdown_s"].values()) > 0
+    assert r["top_kernels"] and sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]  # CPU: XLA quantizers
   printed = capsys.readouterr().out
-  assert "x bf16" in printed and "ms per step" in printed
+  assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
 
 
 def test_inlined_size_counts_each_call_site():
