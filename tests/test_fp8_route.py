@@ -113,3 +113,17 @@ def test_gpu_forward_is_one_cublaslt_fp8_gemm():
   for out, (ref, absprod), gemm in zip(fwd_bwd(x, w, dy), reference_vjp(x, w, dy), ("fprop", "dgrad", "wgrad")):
     err = np.abs(np.asarray(out, np.float64) - ref)
     assert np.all(err <= 2**-8 * np.abs(ref) + 2**-9 * absprod), (gemm, float((err / absprod).max()))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_operand_is_the_codes_through_uint8_bits(fmt):
+  # The GEMM reads the float8 values from their bytes (ops/gemm/fp8.py: a cast pair folded away by XLA would
+  # leave a float32 GEMM on unquantized values); the numbers are the codes', NaN where the tensor is NaN.
+  from fp4jax.ops.gemm.fp8 import fp8_operand  # pylint: disable=g-import-not-at-top
+  x, _, _ = _data(64, 96, 8)
+  q = quantize(x, fmt)
+  bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))
+  np.testing.assert_array_equal(bits(jax.jit(fp8_operand)(q)), bits(q.codes))
+  assert np.isnan(np.asarray(fp8_operand(quantize(x.at[3, 5].set(jnp.nan), fmt)), np.float32)).all()
+  hlo = jax.jit(lambda x, w: fp4_dot(x, w, route="fp8", impl=Impl(gemm="fp8"))).lower(x, x.T).as_text()
+  assert re.search(r"bitcast_convert .*tensor<64x96xui8>\) -> tensor<64x96xf8E4M3FN>", hlo), "no bytes -> float8"

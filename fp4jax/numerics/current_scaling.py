@@ -26,8 +26,8 @@ Non-finite input follows fp4jax's rule for every format, not TE's: a NaN or +-In
 so S, outer and every value are NaN and the tensor dequantizes to NaN (TE's amax skips NaN and an infinite
 amax gives S = 1, so its tensor keeps finite values). A finite `tensor_amax` passed in keeps NaN elements NaN.
 NaN reaches the values through the product, the clip and the cast, whose NaN encoding (E5M2 has several) is
-the backend's; it is never selected in afterwards: a select between the cast and the GEMM hides the float8
-producer from XLA:GPU's scaled-FP8 GEMM rewrite (`ops/gemm/fp8.py`).
+the backend's. How the GEMM hands these values to XLA:GPU's FP8 rewrite is the GEMM's concern
+(`ops/gemm/fp8.py`, `fp8_operand`).
 """
 
 from __future__ import annotations

@@ -25,9 +25,13 @@ dequantized to bf16 the same way (exact while its block exponents stay within [-
 
 FP8 x FP8 (the fp8 route, `numerics.current_scaling`): the operands already are float8 values with one float32
 decode factor per tensor, so the GEMM is `scaled_fp8_dot` as it stands, the scaled-FP8 pattern the MXFP4 fast
-path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale (seen on an H200
-for operands passed in; inside fp4_dot, the quantizer must hand over the float8 cast itself, with no select
-after it: `numerics.current_scaling`; the GPU tests check both). XLA:CPU computes
+path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale. On an H200
+(2026-12-02) that held for float8 operands passed into the program, but not for values cast to float8 inside
+it: the GEMM compiled to a float32 or bf16 cuBLASLt call (or failed to compile, "GEMM is not supported by
+cublasLt"), consistent with XLA folding the cast pair f32 -> float8 -> f32 (excess precision allowed) before
+its FP8 rewrite. The MXFP4 path, whose float8 values come from uint8 bits through a select, compiles to the
+FP8 GEMM; `fp8_operand` gives the fp8 route's values the same form. Whether that suffices is for the GPU test
+`test_gpu_forward_is_one_cublaslt_fp8_gemm` to show (not run yet). XLA:CPU computes
 the same program by upcasting: value * factor rounded once per element as `dequantize` does, then a float32
 dot, so it equals the emulated product up to the order of the sums. Accumulation follows Transformer Engine's
 HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to float32 in the GEMMs
@@ -145,10 +149,20 @@ _FP8_PRECISION: dict[tuple[str, str], jax.lax.Precision] = {
 }
 
 
+def fp8_operand(q: QTensor) -> jax.Array:
+  """The float8 values of a per-tensor FP8 QTensor as the GEMM reads them: their bytes through uint8 and a
+  select that writes NaN (0x7F, NaN in E4M3 and E5M2) where the decode factor is NaN, where every value
+  already is NaN (`numerics.current_scaling`). The same numbers, in the form of the MXFP4 path's encoding
+  (`numerics.fp8`): XLA cannot fold such values back into the float32 they were cast from (module doc)."""
+  bits = jax.lax.bitcast_convert_type(q.codes, jnp.uint8)
+  bits = jnp.where(jnp.isnan(q.outer), jnp.uint8(encoding.E4M3_NAN_BITS), bits)
+  return jax.lax.bitcast_convert_type(bits, q.codes.dtype)
+
+
 def _gemm_tensor_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   """FP8 operands with one decode factor per tensor (the fp8 route): one scaled FP8 GEMM."""
   precision = _FP8_PRECISION[(a.spec.element, b.spec.element)]
-  return scaled_fp8_dot(a.codes, a.outer, b.codes, b.outer, out_dtype, precision=precision)
+  return scaled_fp8_dot(fp8_operand(a), a.outer, fp8_operand(b), b.outer, out_dtype, precision=precision)
 
 
 def _gemm_bf16(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
