@@ -19,7 +19,8 @@ Columns:
            half of the T x T square).
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
 `--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
-kernels that took the most time (`top_kernels` in the JSON; the first five per route are printed).
+kernels that took the most time (`top_kernels` in the JSON; the first five per route are printed). The
+profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from fp4jax import Impl
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
 PEAK_BF16_FLOPS = {"NVIDIA H200": 989.4e12, "NVIDIA H100 80GB HBM3": 989.4e12}
 ATTENTION = ("auto", "xla", "cudnn")
+# XLA options of the profiled executable (`measure`): no command buffers, so every kernel's event names its HLO
+# instruction. (The 2026-12-02 H200 profiles, taken with them on, fell back to kernel names for most events.)
+PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -143,15 +147,20 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   peak = PEAK_BF16_FLOPS.get(jax.devices()[0].device_kind)
   row["mfu"] = row["flops_per_token"] * row["tokens_per_s"] / peak if peak else None
   if args.profile:
+    # A second compile of the same step with XLA's command buffers (CUDA graphs) off: inside a graph a kernel's
+    # profile event names the graph, not its HLO instruction, and the categories come from the instruction.
+    # Kernel durations are the graph's; only the launch gaps between them may differ.
+    profiled = jax.jit(step_fn, donate_argnums=0).lower(
+        abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile(compiler_options=PROFILE_OPTIONS)
     with tempfile.TemporaryDirectory() as tmp:
       with jax.profiler.trace(tmp):
         for _ in range(3):
-          state, loss = compiled(state, tokens, jnp.int32(i))
+          state, loss = profiled(state, tokens, jnp.int32(i))
           i += 1
         jax.block_until_ready(loss)
       xplane = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
       events = breakdown.device_events(xplane, module="train_step")
-    hlo_text = compiled.as_text()
+    hlo_text = profiled.as_text()
     seconds, unattributed = breakdown.breakdown(hlo_text, events)
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
