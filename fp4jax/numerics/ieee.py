@@ -4,7 +4,7 @@ Two XLA:GPU behaviours (measured on an H200, JAX 0.11.2) made the reference quan
 the backend, and disagree with a GPU kernel that follows their definition:
   * float32 division is not correctly rounded: it compiles to PTX `div.full.f32`, an approximation within
     2 ulps (29% of 2^20 random quotients off, against 3 on CPU, all three in the subnormal range that XLA:CPU
-    flushes to zero). `div` computes the correctly rounded quotient from the operands' bits.
+    flushes to zero). `div` computes the correctly rounded quotient through float64.
   * a float32 -> float8_e4m3fn -> float32 round trip inside one computation does not round (131,071 of
     131,072 values came back unrounded): XLA may drop such convert pairs (`--xla_allow_excess_precision`,
     on by default). `e4m3_to_f32` decodes the float8 bytes instead, which nothing can simplify away.
@@ -20,77 +20,40 @@ _SIGN = np.uint32(0x80000000)
 _ABS = np.uint32(0x7FFFFFFF)
 _EXP_INF = np.uint32(0x7F800000)
 _QNAN = np.uint32(0x7FC00000)
-_HIDDEN = np.uint32(1 << 23)
-_QUOTIENT_BITS = 26  # 24 significand bits, a guard and a round bit; the remainder gives the sticky bit
 
 
-def _unpack(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(significand with its leading one at bit 23, unbiased-by-127 exponent) of finite nonzero float32 bits;
-  subnormals are normalized (exponent below 1). Zeros come out with significand 0."""
-  e = ((bits >> 23) & 0xFF).astype(jnp.int32)
-  m = bits & 0x7FFFFF
-  shift = jnp.maximum(jax.lax.clz(m).astype(jnp.int32) - 8, 0)  # subnormal: bring the leading one to bit 23
-  sub = e == 0
-  m = jnp.where(sub, m << shift.astype(jnp.uint32), m | _HIDDEN)
-  return m, jnp.where(sub, 1 - shift, e)
-
-
-# The quotient's bits after the leading one, in digits of at most 7 bits: r << 7 < 2^31 stays in int32.
-_DIGITS = (7, 7, 7, 4)
-assert sum(_DIGITS) == _QUOTIENT_BITS - 1
-
-
-def _long_division(r: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(floor(r * 2^25 / m), remainder) for uint32 0 <= r < m < 2^24, a digit of up to 7 bits per step.
-
-  Each digit is estimated in float32 (r * 2^k / m < 2^7 with a relative error of a few 2^-24: off by at
-  most one) and fixed with exact int32 arithmetic, so the result does not depend on how the backend
-  rounds the estimate. Four steps, not 25 binary ones: XLA:CPU took ~9 s to compile the binary form.
-  """
-  r, m = r.astype(jnp.int32), m.astype(jnp.int32)
-  inv = 1.0 / m.astype(jnp.float32)
-  q = jnp.zeros_like(r)
-  for k in _DIGITS:
-    r = r << k  # < m * 2^7 < 2^31
-    d = jnp.clip(jnp.floor(r.astype(jnp.float32) * inv), 0, (1 << k) - 1).astype(jnp.int32)
-    rem = r - d * m  # d * m <= 2^31 - 2^24: no overflow; rem in (-m, 2m)
-    low, high = rem < 0, rem >= m
-    d = d - low.astype(jnp.int32) + high.astype(jnp.int32)
-    r = jnp.where(low, rem + m, jnp.where(high, rem - m, rem))
-    q = (q << k) | d
-  return q.astype(jnp.uint32), r.astype(jnp.uint32)
+_TINY = 2.0**-126  # the smallest normal float32
+_SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-149
 
 
 def div(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a / b in float32, rounded to nearest even as IEEE 754 specifies (subnormal results included), by integer
-  long division of the significands. Broadcasts like `/`; NaN, infinities and zeros follow IEEE 754."""
+  """a / b in float32, rounded to nearest even as IEEE 754 specifies (subnormal results included). Broadcasts
+  like `/`; NaN, infinities and zeros follow IEEE 754.
+
+  The quotient is taken in float64 and rounded to float32. Rounding twice is exact here: a quotient of two
+  24-bit significands rounded to 53 bits, then to p <= 24 bits, equals the quotient rounded to p bits once
+  whenever 53 >= 2p + 2 (Figueroa, "When is double rounding innocuous?", SIGNUM 1995), and float64 division
+  is correctly rounded on CPU and GPU alike, unlike XLA:GPU's float32 `/`. What XLA:CPU does to subnormals
+  is kept out: subnormal operands enter lifted by 2^64 (`lift`, from their bits), and a subnormal quotient
+  is assembled from its integer count of 2^-149 (the cast would flush it to zero). Six float64 operations
+  where an integer long division took about a hundred: the NVFP4 set-up divides a few times per operand, and
+  those instructions were half of an NVFP4 train step's program (docs/BENCHMARKS.md).
+  """
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  ia, ib = (jax.lax.bitcast_convert_type(v, jnp.uint32) for v in (a, b))
-  sign = (ia ^ ib) & _SIGN
-  ma, ea = _unpack(ia)
-  mb, eb = _unpack(ib)
-  smaller = ma < mb
-  r = jnp.where(smaller, ma << 1, ma)  # r / mb in [1, 2): the quotient's leading bit is 1
-  e = ea - eb + 127 - smaller.astype(jnp.int32)  # biased exponent of the quotient
-  q, r = _long_division(r - mb, mb)
-  q = q | (jnp.uint32(1) << (_QUOTIENT_BITS - 1))
-  # q / 2^25 * 2^(e - 127): a normal result keeps q >> 2; a subnormal one (e < 1) m = q >> (3 - e), as m * 2^-149.
-  shift = jnp.minimum(2 + jnp.maximum(1 - e, 0), _QUOTIENT_BITS + 1).astype(jnp.uint32)
-  kept = q >> shift
-  rest = q & ((jnp.uint32(1) << shift) - 1)
-  half = jnp.uint32(1) << (shift - 1)
-  up = (rest > half) | ((rest == half) & ((r != 0) | ((kept & 1) == 1)))
-  kept = kept + up.astype(jnp.uint32)
-  e_field = (jnp.clip(e, 1, 255) - 1).astype(jnp.uint32)  # the hidden bit in kept adds the last 1
-  mag = jnp.where(e > 254, _EXP_INF, jnp.minimum((e_field << 23) + kept, _EXP_INF))  # rounding may overflow
-  abs_a, abs_b = ia & _ABS, ib & _ABS
-  a_nan, b_nan = abs_a > _EXP_INF, abs_b > _EXP_INF
-  a_inf, b_inf = abs_a == _EXP_INF, abs_b == _EXP_INF
-  a_zero, b_zero = abs_a == 0, abs_b == 0
-  mag = jnp.where(a_inf | b_zero, _EXP_INF, mag)
-  mag = jnp.where(a_zero | b_inf, jnp.uint32(0), mag)
-  out = jnp.where(a_nan | b_nan | (a_zero & b_zero) | (a_inf & b_inf), _QNAN, sign | mag)
-  return jax.lax.bitcast_convert_type(out.astype(jnp.uint32), jnp.float32)
+  (la, sa), (lb, sb) = lift(a), lift(b)  # a = la * 2^-sa, b = lb * 2^-sb
+  with jax.enable_x64(True):
+    q = la.astype(jnp.float64) / lb.astype(jnp.float64)
+    q = q * _pow2_f64(sb - sa)  # exact: a power of two within float64's normal range
+    mag = jnp.abs(q)
+    units = jnp.rint(mag * _SUBNORMAL_UNITS)  # subnormal results: RNE to a multiple of 2^-149 (<= 2^23)
+    sign = jnp.where(jnp.signbit(q), _SIGN, np.uint32(0))
+    subnormal = jax.lax.bitcast_convert_type(sign | units.astype(jnp.uint32), jnp.float32)
+    return jnp.where(mag < _TINY, subnormal, q.astype(jnp.float32))
+
+
+def _pow2_f64(e: jax.Array) -> jax.Array:
+  """float64 2**e for int32 e in [-1022, 1023], from the exponent bits (call under `jax.enable_x64`)."""
+  return jax.lax.bitcast_convert_type((e.astype(jnp.int64) + 1023) << 52, jnp.float64)
 
 
 def amax_factor(numerator: jax.Array, amax: jax.Array) -> jax.Array:
