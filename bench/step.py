@@ -1,7 +1,8 @@
 """`python -m bench step`: one jitted Llama train step per route: tokens/s, MFU, memory, where the time goes.
 
   python -m bench step --preset 1b --tokens 8x2048 [--layers N] [--routes bf16 mxfp4 ...] [--iters 10]
-                       [--profile] [--scan] [--attention auto|xla|cudnn] [--out step.json]
+                       [--profile] [--scan [--scan-saves outputs|operands]] [--attention auto|xla|cudnn]
+                       [--out step.json]
 
 The step is `python -m train`'s: next-token cross-entropy, `nnx.value_and_grad`, AdamW, the state donated;
 bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
@@ -54,26 +55,30 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4_h32", "nvfp4"])
   parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
   parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
+  parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
+                      help="what a scanned block keeps for its backward (fp4jax.nn.llama.model.SCAN_POLICIES)")
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
   parser.add_argument("--out", help="write the rows as JSON here")
 
 
 def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
-               layers: int | None = None, attention: str = "auto"):
+               layers: int | None = None, attention: str = "auto", scan_saves: str = "outputs"):
   """(train_step, create_state, abstract state, abstract tokens, LlamaConfig) for a Llama preset with `route`
   on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward and
   AdamW as `python -m train` does; `create_state()` returns freshly initialized state."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
   overrides = {"n_layers": layers} if layers else {}
   cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention, **overrides)
   rules = RouteRules.standard(route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
   tx = optax.adamw(1e-4)
 
   def create():
-    model = Llama(cfg, rules=rules, rngs=nnx.Rngs(0), impl=impl, dtype=jnp.bfloat16, scan_layers=scan)
+    model = Llama(cfg, rules=rules, rngs=nnx.Rngs(0), impl=impl, dtype=jnp.bfloat16, scan_layers=scan,
+                  scan_policy=SCAN_POLICIES[scan_saves])
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
@@ -118,9 +123,10 @@ def _is_oom(err: Exception) -> bool:
 def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
   step_fn, create, abstract, tokens_spec, cfg = llama_step(
-      args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention)
+      args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
+      scan_saves=args.scan_saves)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
-         "scan": args.scan, "attention": args.attention}
+         "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention}
   t0 = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(
       abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
@@ -202,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
   batch, seq = (int(v) for v in args.tokens.split("x"))
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
-        f"{'scanned' if args.scan else 'unrolled'}, attention {args.attention}", flush=True)
+        f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}",
+        flush=True)
   rows = []
   for route in args.routes:
     try:

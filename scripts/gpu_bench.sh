@@ -48,6 +48,8 @@ for part in "${parts[@]}"; do
       timeout ${STEP_LIMIT:-60} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --routes bf16 2>&1 | tail -2
       timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --scan --profile \
         --out "$OUT/step_1b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -20
+      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --scan --profile \
+        --scan-saves operands --out "$OUT/step_1b_operands.json" --routes bf16 2>&1 | tail -6
       timeout ${STEP_LIMIT:-60} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 \
         --routes bf16 2>&1 | tail -2
       timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 --scan \

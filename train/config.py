@@ -51,16 +51,20 @@ class ModelConfig:
 
   dtype is the activation/compute dtype of the non-FP4 parts ("bfloat16" on accelerators; "float32" is ~3x
   faster on CPU, where XLA emulates bf16 dots). scan_layers: compile each run of same-route blocks once
-  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps (same numbers).
+  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps (same numbers). scan_saves: what a
+  scanned block keeps for its backward, a key of `fp4jax.nn.llama.model.SCAN_POLICIES` ("outputs", "operands").
   """
   preset: str = "tiny"
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
   dtype: str = "bfloat16"
   scan_layers: bool = False
+  scan_saves: str = "outputs"
 
   def __post_init__(self):
     from fp4jax.nn.llama import PRESETS, LlamaConfig  # pylint: disable=g-import-not-at-top
-    _check_counts("model", self, {"preset": _one_of(list(PRESETS)), "dtype": _one_of(DTYPES)})
+    from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
+    _check_counts("model", self, {"preset": _one_of(list(PRESETS)), "dtype": _one_of(DTYPES),
+                                  "scan_saves": _one_of(list(SCAN_POLICIES))})
     valid = [f.name for f in dataclasses.fields(LlamaConfig)]
     unknown = sorted(set(self.overrides) - set(valid))
     if unknown:

@@ -169,6 +169,7 @@ class TrainState:
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
   from fp4jax.nn.llama import Llama
+  from fp4jax.nn.llama.model import SCAN_POLICIES
   lcfg = llama_config(cfg, vocab_size)
   rules = route_rules(cfg, lcfg.n_layers)
   tx = make_tx(cfg.optim, cfg.run.steps)
@@ -176,7 +177,7 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
 
   def create():
     model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), impl=impl, dtype=DTYPES[cfg.model.dtype],
-                  scan_layers=cfg.model.scan_layers)
+                  scan_layers=cfg.model.scan_layers, scan_policy=SCAN_POLICIES[cfg.model.scan_saves])
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))

@@ -36,9 +36,12 @@ def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
   return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
 
 
-# `checkpoint_name` of every FP4Linear output: a `jax.checkpoint` policy keeps these (bf16 activations the
-# next op's backward reads) rather than re-running the product.
+# `checkpoint_name`s of every FP4Linear's output and of the bf16 operands of its product, for `jax.checkpoint`
+# policies (fp4jax.nn.llama.model): the output is what the next op's backward reads; the operands are what a
+# high-precision route's backward GEMMs read (an FP4 route saves its quantized operands instead, fp4jax.dot).
 OUTPUT = "fp4jax.linear.output"
+INPUT = "fp4jax.linear.input"
+KERNEL = "fp4jax.linear.kernel"
 
 
 class FP4Linear(nnx.Module):
@@ -48,7 +51,7 @@ class FP4Linear(nnx.Module):
   the optimizer updates full-precision master weights while the GEMM sees bf16 (then FP4 per the route).
   The route and the implementation choice (`impl`: quantizer implementation, GEMM backend) are kept as static
   attributes: they are part of the graph definition, not of the state, so changing them means building a new
-  module. The output is tagged `checkpoint_name(y, OUTPUT)`.
+  module. The output and the product's bf16 operands are tagged `checkpoint_name(..., OUTPUT / INPUT / KERNEL)`.
   """
 
   def __init__(
@@ -87,8 +90,9 @@ class FP4Linear(nnx.Module):
     """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
     if x.shape[-1] != self.in_features:
       raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
-    y = fp4_dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), route=self.route, key=key,
-                impl=self.impl, out_dtype=self.out_dtype)
+    x = checkpoint_name(x.astype(self.dtype), INPUT)
+    kernel = checkpoint_name(self.kernel[...].astype(self.dtype), KERNEL)
+    y = fp4_dot(x, kernel, route=self.route, key=key, impl=self.impl, out_dtype=self.out_dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.out_dtype)
     return checkpoint_name(y, OUTPUT)  # [..., out]

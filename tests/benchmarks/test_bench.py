@@ -174,6 +174,15 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
 
 
+def test_bench_step_scanned_with_a_save_policy(tmp_path, capsys):
+  out = tmp_path / "step.json"
+  main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "--iters",
+        "1", "--scan", "--scan-saves", "operands", "--out", str(out)])
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["scan"] is True and row["scan_saves"] == "operands" and row["tokens_per_s"] > 0
+  assert "scanned (saving operands)" in capsys.readouterr().out
+
+
 def test_inlined_size_counts_each_call_site():
   text = """HloModule m
 f.1 {

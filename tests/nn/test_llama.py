@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from flax import nnx
 from fp4jax.nn import RouteRules
 from fp4jax.nn.llama import PRESETS, Llama, Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.llama import layers
+from fp4jax.nn.llama.model import SCAN_POLICIES
 
 TINY = LlamaConfig.preset("tiny")
 B, T = 2, 32
@@ -242,9 +244,10 @@ def test_config_validation_and_presets(bf16_model):
   assert abs(PRESETS["llama3_8b"].num_params() - 8.03e9) < 0.01e9  # Llama 3.1 8B: 8,030,261,248.
 
 
-@pytest.mark.parametrize("route, groups", [("bf16", [range(0, 4)]),
-                                           ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)])])
-def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
+@pytest.mark.parametrize("route, groups, saves", [("bf16", [range(0, 4)], "outputs"),
+                                                  ("bf16", [range(0, 4)], "operands"),
+                                                  ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)], "outputs")])
+def test_scanned_layers_match_unrolled_bit_for_bit(route, groups, saves):
   # bf16 first/last blocks: an FP4 run in the middle is scanned, the ends run alone; all-bf16 is one scan.
   config = dataclasses.replace(TINY, n_layers=4)
   rules = RouteRules.standard(route, n_layers=4, bf16_first=1, bf16_last=1)
@@ -254,7 +257,7 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
 
   results = {}
   for scan in (False, True):
-    model = Llama(config, rules=rules, rngs=nnx.Rngs(0), scan_layers=scan)
+    model = Llama(config, rules=rules, rngs=nnx.Rngs(0), scan_layers=scan, scan_policy=SCAN_POLICIES[saves])
     results[scan] = jax.tree.map(np.asarray, grads(model, jax.random.key(3)))
   assert model._block_groups() == groups
   (value, g_unrolled), (value_scanned, g_scanned) = results[False], results[True]
@@ -267,24 +270,35 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups):
                             g_scanned["layers"][2]["mlp"]["up"]["kernel"][...])
 
 
-@pytest.mark.parametrize("route", ["bf16", "mxfp4"])
-def test_scanned_blocks_save_only_bf16_activations_and_quantized_operands(route, capsys):
-  # The scan stacks what its body saves for the backward (one slice per block). Under SCAN_SAVES that is the
-  # linears' bf16 outputs and fp4_dot's uint8 codes and scales; never RMSNorm's or SwiGLU's float32
-  # intermediates (JAX's default saved them all: twice the unrolled step's memory at 1B on an H200).
+def _scan_residuals(route, saves, capsys):
+  """dtype[shape] of each value a 3-block scan stacks for the backward (one slice per block)."""
   config = dataclasses.replace(TINY, n_layers=3, attention_impl="xla")
   model = Llama(config, rules=RouteRules.standard(route, n_layers=3, bf16_first=0, bf16_last=0),
-                rngs=nnx.Rngs(0), scan_layers=True)
+                rngs=nnx.Rngs(0), scan_layers=True, scan_policy=SCAN_POLICIES[saves])
   graphdef, state = nnx.split(model)
   tokens = _tokens()
+  capsys.readouterr()
   jax.ad_checkpoint.print_saved_residuals(
       lambda s: nnx.merge(graphdef, s)(tokens, key=jax.random.key(0)).sum(), state)
-  stacked = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " output of scan " in line]
-  kinds = {dtype.split("[")[0] for dtype in stacked}
-  assert kinds == ({"bf16"} if route == "bf16" else {"bf16", "u8"}), stacked
-  # Per block: 6 linear outputs (the last linear's output is only added to the residual stream) plus, on
-  # the XLA attention path, what its backward reads; an FP4 route adds codes and scales of X and W.
+  return [line.split()[0] for line in capsys.readouterr().out.splitlines() if " output of scan " in line]
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4"])
+def test_scanned_blocks_save_only_bf16_activations_and_quantized_operands(route, capsys):
+  # Under "outputs" a scan stacks the linears' bf16 outputs and fp4_dot's uint8 codes and scales; never
+  # RMSNorm's or SwiGLU's float32 intermediates (JAX's default saved them all: twice the unrolled step's
+  # memory at 1B on an H200).
+  stacked = _scan_residuals(route, "outputs", capsys)
+  assert {dtype.split("[")[0] for dtype in stacked} == ({"bf16"} if route == "bf16" else {"bf16", "u8"}), stacked
   assert all(shape.startswith(("bf16[3,", "u8[3,")) for shape in stacked), stacked
+  # "operands" adds the bf16 weights a high-precision route's backward reads (its 7 linears' kernels), and no
+  # more for an FP4 route, whose backward reads its quantized operands.
+  operands = _scan_residuals(route, "operands", capsys)
+  weights = [shape for shape in operands if re.fullmatch(r"bf16\[3,(32|64|192),(32|64|192)\]", shape)]
+  if route == "bf16":
+    assert len(weights) == 7 and len(operands) > len(stacked), operands
+  else:
+    assert sorted(operands) == sorted(stacked), (operands, stacked)
 
 
 def test_attention_auto_is_xla_off_gpu_and_falls_back_without_cudnn():

@@ -11,9 +11,13 @@ What a scanned body saves for the backward crosses the loop boundary, so it is w
 unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
 default) kept every float32 intermediate of RMSNorm and SwiGLU: Llama-1B at 8 x 2048 tokens on an H200 needed
 twice the memory of the unrolled step and ran 20% slower (docs/BENCHMARKS.md). The scanned body is therefore
-a `jax.checkpoint` under `SCAN_SAVES`: it keeps the linears' outputs, fp4_dot's quantized residuals and cuDNN
-attention's output and statistics, and recomputes the elementwise rest (norms, RoPE, SiLU) in the backward,
-where it fuses into the gradient's own passes.
+a `jax.checkpoint` under a `SavePolicy` (`SCAN_POLICIES`). "outputs" (the default) keeps the linears' outputs,
+fp4_dot's quantized residuals and cuDNN attention's output and statistics, and recomputes the elementwise rest
+(norms, RoPE, SiLU) in the backward, where it fuses into the gradient's own passes. "operands" also keeps the
+bf16 operands of every linear's product (inputs and cast weights), which only a high-precision route's
+backward reads: at 1B its scanned bf16 step spent 191 ms in GEMMs under "outputs" against 159 ms when the scan
+saved everything, and whether saving the GEMMs' operands rather than recomputing them brings that back is for
+the next GPU run to show.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class SavePolicy:
 # residuals, and cuDNN flash attention's forward outputs (its output and softmax statistics, which its backward
 # reads; recomputing them would re-run the attention forward).
 SCAN_SAVES = SavePolicy(frozenset({linear.OUTPUT, dot.RESIDUALS}), ("dot_product_attention_fwd",))
+# By name (`Llama(scan_policy=...)`, the train config's model.scan_saves, bench step's --scan-saves).
+SCAN_POLICIES: dict[str, SavePolicy] = {
+    "outputs": SCAN_SAVES,
+    "operands": dataclasses.replace(SCAN_SAVES, names=SCAN_SAVES.names | {linear.INPUT, linear.KERNEL}),
+}
 
 
 class Llama(nnx.Module):
@@ -62,15 +71,17 @@ class Llama(nnx.Module):
   `layers.linear_index`), the lm_head fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
-  `lax.scan` under the `SCAN_SAVES` checkpoint policy (compile time ~ number of distinct runs, not depth;
+  `lax.scan` under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs, not depth;
   bf16 steps 12-18% slower on an H200 at 1B and 8B shapes, docs/BENCHMARKS.md); False (default) unrolls them,
   with the same bits.
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
-               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool = False):
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool = False,
+               scan_policy: SavePolicy = SCAN_SAVES):
     self.config = config
     self.scan_layers = scan_layers
+    self.scan_policy = scan_policy
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
@@ -137,7 +148,7 @@ class Llama(nnx.Module):
     stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)  # Each leaf [L, ...]
     layer_ids = jnp.arange(group.start, group.stop, dtype=jnp.int32)  # [L]
 
-    @functools.partial(jax.checkpoint, policy=SCAN_SAVES, prevent_cse=False)  # CSE is safe inside a scan
+    @functools.partial(jax.checkpoint, policy=self.scan_policy, prevent_cse=False)  # CSE is safe in a scan
     def block(h, state, layer):
       return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer)
 
