@@ -3,7 +3,7 @@
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
-# parts: tests quantize dot compile step train (default: tests quantize dot train). Logs and results land in $OUT.
+# parts: tests verify quantize dot compile step train (default: tests quantize dot train). Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
 # the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
 # separate calls.
@@ -24,6 +24,11 @@ for part in "${parts[@]}"; do
       log "GPU tests"
       timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 tests 2>&1 \
         | tail -45 ;;
+    verify)
+      log "GPU tests of the changes not yet run on a GPU (ieee.div through float64, the fp8 route's FP8 GEMM)"
+      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/numerics/test_ieee.py \
+        tests/test_fp8_route.py tests/ops/quantize/test_quantize_common.py tests/ops/quantize/test_quantize_nvfp4.py \
+        tests/ops/quantize/test_quantize_eden.py 2>&1 | tail -20 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
@@ -61,6 +66,6 @@ for part in "${parts[@]}"; do
         --set run.steps=${STEPS:-300} --set run.eval_every=100 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
         --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
         | tail -40 ;;
-    *) echo "unknown part $part (tests quantize dot compile step train)"; exit 2 ;;
+    *) echo "unknown part $part (tests verify quantize dot compile step train)"; exit 2 ;;
   esac
 done
