@@ -2,7 +2,7 @@
 
 `categorize(hlo_text)` classifies every instruction of a compiled module (optimized HLO text) by what it
 does; `device_events(xplane_path, module)` lists a profile's device events with the instruction (`hlo_op`)
-that launched each. `breakdown` joins the two:
+that launched each. `attribute` joins the two; `breakdown` sums the result by category:
 
   fp8 gemm       cuBLAS(Lt) GEMMs reading float8 operands (the fp8 backend's MXFP4 products, the fp8 route)
   bf16 gemm      other cuBLAS(Lt) GEMMs and XLA's own GEMM fusions (bf16 routes, NVFP4's exact bf16 GEMMs)
@@ -104,13 +104,24 @@ def _op_name(op: str) -> str:
   return op.strip().lstrip("%").split()[0] if op.strip() else op
 
 
-def breakdown(hlo_text: str, events: list[tuple[str, str, float]]) -> tuple[dict[str, float], list]:
+def attribute(hlo_text: str, events: list[tuple[str, str, float]]) -> dict[tuple[str, str, str], float]:
+  """Seconds per (category, hlo_op, kernel) of `events`: an event's category is its instruction's in the compiled
+  module's text; events whose instruction the text lacks fall back to their kernel's name (`_kernel_category`),
+  else "unattributed". What `breakdown` and `top_kernels` summarize."""
+  kinds = categorize(hlo_text)
+  out: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+  for op, kernel, seconds in events:
+    category = kinds.get(_op_name(op)) or _kernel_category(kernel) or "unattributed"
+    out[(category, op, kernel)] += seconds
+  return out
+
+
+def breakdown(attributed: dict[tuple[str, str, str], float]) -> tuple[dict[str, float], list]:
   """(seconds per category, every category present, plus "unattributed"; the largest unattributed events as
-  (hlo_op, kernel, seconds)). An event's category is its instruction's; events whose instruction the module
-  text lacks fall back to their kernel's name (`_kernel_category`)."""
+  (hlo_op, kernel, seconds)) of `attribute`'s result."""
   out = dict.fromkeys((*CATEGORIES, "unattributed"), 0.0)
   missing: dict[tuple[str, str], float] = collections.defaultdict(float)
-  for (category, op, kernel), seconds in _attributed(hlo_text, events).items():
+  for (category, op, kernel), seconds in attributed.items():
     out[category] += seconds
     if category == "unattributed":
       missing[(op, kernel)] += seconds
@@ -118,20 +129,11 @@ def breakdown(hlo_text: str, events: list[tuple[str, str, float]]) -> tuple[dict
   return out, top
 
 
-def top_kernels(hlo_text: str, events: list[tuple[str, str, float]], n: int = 15) -> list[tuple[str, str, float]]:
-  """The `n` kernels with the most device time, as (category, kernel name, seconds summed over launches):
-  what to compare when two programs' categories differ (a scanned and an unrolled step, say)."""
+def top_kernels(attributed: dict[tuple[str, str, str], float], n: int = 15) -> list[tuple[str, str, float]]:
+  """The `n` kernels with the most device time in `attribute`'s result, as (category, kernel name, seconds
+  summed over launches): what to compare when two programs' categories differ (a scanned and an unrolled step,
+  say)."""
   totals: dict[tuple[str, str], float] = collections.defaultdict(float)
-  for (category, _, kernel), seconds in _attributed(hlo_text, events).items():
+  for (category, _, kernel), seconds in attributed.items():
     totals[(category, kernel)] += seconds
   return [(c, k, s) for (c, k), s in sorted(totals.items(), key=lambda e: -e[1])[:n]]
-
-
-def _attributed(hlo_text: str, events: list[tuple[str, str, float]]) -> dict[tuple[str, str, str], float]:
-  """Seconds per (category, hlo_op, kernel) of `events` (see `breakdown`)."""
-  kinds = categorize(hlo_text)
-  out: dict[tuple[str, str, str], float] = collections.defaultdict(float)
-  for op, kernel, seconds in events:
-    category = kinds.get(_op_name(op)) or _kernel_category(kernel) or "unattributed"
-    out[(category, op, kernel)] += seconds
-  return out

@@ -14,7 +14,8 @@ work, so their seconds carry over to the GPU machine's host roughly as the CPUs 
 
 `--passes N` compiles under `jax.profiler` and prints the N host events of XLA's compile with the most time
 (HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes):
-where the XLA compile phase itself goes, on the machine it runs on.
+where the XLA compile phase itself goes, on the machine it runs on. Its compile seconds then include the
+profiler's own start and stop.
 
 Compiles are cold (the persistent cache is off) unless `--warm`.
 """

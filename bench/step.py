@@ -166,11 +166,11 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
         jax.block_until_ready(loss)
       xplane = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
       events = breakdown.device_events(xplane, module="train_step")
-    hlo_text = profiled.as_text()
-    seconds, unattributed = breakdown.breakdown(hlo_text, events)
+    attributed = breakdown.attribute(profiled.as_text(), events)
+    seconds, unattributed = breakdown.breakdown(attributed)
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
-    row["top_kernels"] = [(category, kernel, s / 3) for category, kernel, s in breakdown.top_kernels(hlo_text, events)]
+    row["top_kernels"] = [(category, kernel, s / 3) for category, kernel, s in breakdown.top_kernels(attributed)]
   del state
   return row
 

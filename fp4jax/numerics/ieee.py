@@ -17,11 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _SIGN = np.uint32(0x80000000)
-_ABS = np.uint32(0x7FFFFFFF)
 _EXP_INF = np.uint32(0x7F800000)
-_QNAN = np.uint32(0x7FC00000)
-
-
 _TINY = 2.0**-126  # the smallest normal float32
 _SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-149
 
@@ -35,9 +31,9 @@ def div(a: jax.Array, b: jax.Array) -> jax.Array:
   whenever 53 >= 2p + 2 (Figueroa, "When is double rounding innocuous?", SIGNUM 1995), and float64 division
   is correctly rounded on CPU and GPU alike, unlike XLA:GPU's float32 `/`. What XLA:CPU does to subnormals
   is kept out: subnormal operands enter lifted by 2^64 (`lift`, from their bits), and a subnormal quotient
-  is assembled from its integer count of 2^-149 (the cast would flush it to zero). Six float64 operations
+  is assembled from its integer count of 2^-149 (the cast would flush it to zero). A few dozen operations
   where an integer long division took about a hundred: the NVFP4 set-up divides a few times per operand, and
-  those instructions were half of an NVFP4 train step's program (docs/BENCHMARKS.md).
+  the change cut a scanned NVFP4 train step's program by over a third (docs/BENCHMARKS.md).
   """
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
   (la, sa), (lb, sb) = lift(a), lift(b)  # a = la * 2^-sa, b = lb * 2^-sb

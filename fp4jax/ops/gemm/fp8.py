@@ -27,10 +27,11 @@ FP8 x FP8 (the fp8 route, `numerics.current_scaling`): the operands already are 
 decode factor per tensor, so the GEMM is `scaled_fp8_dot` as it stands, the scaled-FP8 pattern the MXFP4 fast
 path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale. On an H200
 (2026-12-02) that held for float8 operands passed into the program, but not for values cast to float8 inside
-it: the GEMM compiled to a float32 or bf16 cuBLASLt call (or failed to compile, "GEMM is not supported by
-cublasLt"), consistent with XLA folding the cast pair f32 -> float8 -> f32 (excess precision allowed, as seen
-for E4M3 round trips: `numerics.ieee`) before its FP8 rewrite. The MXFP4 path, whose float8 values come from uint8 bits through a select, compiles to the
-FP8 GEMM; `fp8_operand` gives the fp8 route's values the same form. Whether that suffices is for the GPU test
+it: the GEMM compiled to a cuBLASLt call that is not the FP8 one (float32 in an earlier run), or failed to
+compile ("GEMM is not supported by cublasLt"), consistent with XLA folding the cast pair f32 -> float8 -> f32
+(excess precision allowed, as seen for E4M3 round trips: `numerics.ieee`) before its FP8 rewrite. The MXFP4
+path, whose float8 values come from uint8 bits through a select, compiles to the FP8 GEMM; `fp8_operand` gives
+the fp8 route's values the same form. Whether that suffices is for the GPU test
 `test_gpu_forward_is_one_cublaslt_fp8_gemm` to show (not run yet). XLA:CPU computes
 the same program by upcasting: value * factor rounded once per element as `dequantize` does, then a float32
 dot, so it equals the emulated product up to the order of the sums. Accumulation follows Transformer Engine's

@@ -5,7 +5,7 @@ division, and the compiler may contract a product into a following add (an FMA r
 rounds twice). MS-EDEN (`quantize_eden`) divides per element and sums products, so its kernel needs both
 operations pinned:
   * `div_rn`: PTX `div.rn.f32` through `pltriton.elementwise_inline_asm`, the IEEE correctly rounded quotient
-    (no .ftz: subnormals kept), which is what `ieee.div` computes. (`ieee.div`'s integer long division inside
+    (no .ftz: subnormals kept), which is what `ieee.div` computes. (`ieee.div`'s former integer long division inside
     the Triton kernel was tried as well: on the H200, XLA's compile of the MS-EDEN kernel with it had not
     finished after minutes, so it is not offered.)
   * `mul_rn`: PTX `mul.rn.f32`: an instruction with an explicit rounding modifier is never fused into an FMA,

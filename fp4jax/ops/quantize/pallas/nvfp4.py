@@ -132,7 +132,7 @@ def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str]
                  fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
   """((row params [P_r, 16], column params [P_c, 16]), (row outer, column outer)) of both views from their
   amaxes (() each, or one per K-major row): one vectorized pass over every program's values, so the divisions
-  (`ieee.div`, a few hundred XLA instructions each) appear once per call instead of once per view.
+  (`ieee.div`, a few dozen XLA instructions each) appear once per call instead of once per view.
 
   `steps`: K-major rows per program, used to pick each program's S_enc (constant within a program: programs
   never straddle a row tile). Row: [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), L,
