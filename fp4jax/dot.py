@@ -104,9 +104,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   n = w.shape[1]
   m = math.prod(lead)
   if route.high_precision or 0 in (m, k, n):  # Empty operands: the product is zeros (or empty) in any route.
-    if out_dtype is None:
-      return jnp.dot(x, w).astype(x.dtype)
-    return jnp.dot(x, w, preferred_element_type=out_dtype)
+    return _high_precision_dot(x, w, out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype))
@@ -116,6 +114,43 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
+
+
+def _high_precision_dot(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+  """x @ w unquantized. With an out_dtype wider than x's and w's common dtype (float32 logits from bf16
+  operands), the backward GEMMs read the cotangent rounded to that dtype (`_wide_out_dot`)."""
+  if out_dtype is None:
+    return jnp.dot(x, w).astype(x.dtype)
+  if x.dtype == w.dtype and np.dtype(out_dtype).itemsize > x.dtype.itemsize:
+    x, w = _vary_alike(x, w)
+    return _wide_out_dot(np.dtype(out_dtype), x, w)
+  return jnp.dot(x, w, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _wide_out_dot(out_dtype: np.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] @ w [K, N] accumulated and returned in out_dtype, from bf16 (say) operands. The cotangent, in
+  out_dtype, is rounded to the operands' dtype before the two backward GEMMs, as a bf16 output's would be:
+  left to JAX's own rule, a float32 cotangent times a bf16 operand becomes a float32 x float32 GEMM (TF32 on
+  Hopper), which ran the Llama-1B lm_head's gradients 2.7x slower than bf16 on an H200 (docs/BENCHMARKS.md)."""
+  return jnp.dot(x, w, preferred_element_type=out_dtype)
+
+
+def _wide_out_dot_fwd(out_dtype, x, w):
+  return _wide_out_dot(out_dtype, x, w), (x, w)
+
+
+def _wide_out_dot_bwd(out_dtype, res, g):
+  del out_dtype
+  x, w = res
+  g = g.astype(x.dtype)  # [..., N]
+  lead = tuple(range(x.ndim - 1))
+  dx = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)  # [..., K]
+  dw = jnp.tensordot(x, g, axes=(lead, lead), preferred_element_type=jnp.float32).astype(w.dtype)  # [K, N]
+  return dx, dw
+
+
+_wide_out_dot.defvjp(_wide_out_dot_fwd, _wide_out_dot_bwd)
 
 
 # `checkpoint_name` of the residuals (module docstring).
@@ -161,15 +196,15 @@ def _check_key(key) -> None:
                      f"{dtype=}, {shape=}")
 
 
-def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """x and w cast to vary over every shard_map axis that any of x, w, key varies over.
+def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """x and w cast to vary over every shard_map axis that any of x, w (and key) varies over.
 
   Inside `shard_map` a custom_vjp must return cotangents of its primals' types: dW of a replicated w computed
   from a sharded x varies over the mesh axis, w does not. Casting w to varying first (as a plain dot does
   implicitly) makes the types agree, and the cast's transpose sums dW over that axis. No-op outside shard_map.
   """
   varying = lambda a: jax.typeof(a).manual_axis_type.varying
-  axes = frozenset().union(*(varying(a) for a in (x, w, key)))
+  axes = frozenset().union(*(varying(a) for a in (x, w) + (() if key is None else (key,))))
   return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
 
 

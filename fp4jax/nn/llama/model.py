@@ -114,9 +114,9 @@ class Llama(nnx.Module):
     x = self.norm(x)
     if self.lm_head is None:
       # embed.attend would round the logits to bf16 (~0.4% of each, before the softmax); accumulate and
-      # return them in float32 from the same bf16 operands instead.
+      # return them in float32 from the same bf16 operands instead (the backward GEMMs stay bf16: fp4_dot).
       table = self.embed.embedding[...].astype(x.dtype)  # [V, D]
-      logits = jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)  # [B, T, V]
+      logits = dot.fp4_dot(x, table.T, route="bf16", out_dtype=jnp.float32)  # [B, T, V]
     else:
       head_index = LINEARS_PER_BLOCK * self.config.n_layers
       head_key = None if key is None else jax.random.fold_in(key, head_index)
