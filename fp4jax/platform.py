@@ -21,9 +21,14 @@ def compiles_for_gpu() -> bool:
   return jax.default_backend() == "gpu" or (device is not None and device.platform == "gpu")
 
 
-# XLA flags the apps (train, bench) start with on a GPU. Triton GEMM autotuning cost ~45 s per fp4_dot
-# forward + backward on the H200 for the same GEMM speed as cuBLAS (docs/BENCHMARKS.md, "Compile time").
-DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+# XLA flags the apps (train, bench) start with on a GPU (docs/BENCHMARKS.md has the measurements):
+#  * Triton GEMM autotuning cost ~45 s per fp4_dot forward + backward on the H200 for the same GEMM speed as
+#    cuBLAS ("Compile time").
+#  * XLA's dynamic-slice fusion makes a GEMM write straight into a slice of a larger buffer. In a scanned
+#    block's forward loop, a GEMM whose output is both used and saved for the backward (a stacked residual)
+#    was cloned into such a fusion: o, gate and up ran twice per layer, 1B steps 18% slower than unrolled
+#    ("H200 session of 2026-12-02, 05:15").
+DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=false")
 
 
 def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:

@@ -10,6 +10,7 @@ import pytest
 from bench import compile as compile_bench
 from bench import breakdown, dot, program, quantize, step, triton
 from bench.__main__ import main
+from fp4jax import platform
 
 
 def test_hlo_check_parser():
@@ -101,7 +102,7 @@ def test_program_lowers_for_an_h200_without_one(capsys):
 def test_bench_turns_on_the_compilation_cache_and_xla_flags(tmp_path, monkeypatch, capsys):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   main(["--compile-cache", str(tmp_path / "c"), "compile", "--small", "--shapes", "0", "--routes", "bf16"])
-  assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+  assert os.environ["XLA_FLAGS"] == " ".join(platform.DEFAULT_XLA_FLAGS)
   assert jax.config.jax_compilation_cache_dir is None  # `compile` measures cold compiles unless --warm
   main(["--compile-cache", str(tmp_path / "c"), "compile", "--warm", "--small", "--shapes", "0", "--routes", "bf16"])
   assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c") and any((tmp_path / "c").iterdir())
@@ -198,3 +199,18 @@ ENTRY main.2 {
   ROOT r = f32[] conditional(pred, c1, c2), branch_computations={%f.1, %f.1}
 }"""
   assert compile_bench.inlined_size(text) == 3 + 4 * 2  # 3 own (no parameter, no Sharding) + 4 inlined bodies
+
+
+@pytest.mark.gpu
+def test_gpu_scanned_step_runs_each_forward_gemm_once():
+  """The forward loop of a scanned step holds at most one GEMM per linear (7 per block; XLA may merge q, k, v),
+  none inside a dynamic-slice fusion: that fusion cloned each GEMM whose output is also a saved residual (o,
+  gate, up) on the H200 until the apps turned it off (`platform.DEFAULT_XLA_FLAGS`)."""
+  fn, _, state, tokens, _ = step.llama_step("tiny", "bf16", batch=2, seq=64, scan=True, layers=3)
+  text = jax.jit(fn).lower(state, tokens, jax.ShapeDtypeStruct((), jax.numpy.int32)).compile().as_text()
+  gemms = [line for line in text.splitlines() if 'custom_call_target="__cublas' in line]
+  forward = [line for line in gemms if re.search(r'op_name="[^"]*jvp\(\)/while/body', line)
+             and "transpose(" not in line]
+  assert 0 < len(forward) <= 7, len(forward)
+  fusions = re.findall(r"^%dynamic-slice-fusion[^{]*\{(.*?)^\}", text, flags=re.S | re.M)
+  assert not any("__cublas" in body for body in fusions)

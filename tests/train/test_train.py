@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax import platform
 from train import checkpoint, config, metrics, train
 from train.errors import UserError
 from train.main import EXIT_FAILED_RUN, main
@@ -169,7 +170,7 @@ def test_main_sets_xla_flags_and_the_compilation_cache(tmp_path, monkeypatch):
   saved = jax.config.jax_compilation_cache_dir
   try:
     assert main(args) == 0
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+    assert os.environ["XLA_FLAGS"] == " ".join(platform.DEFAULT_XLA_FLAGS)
     assert jax.config.jax_compilation_cache_dir == os.environ["FP4JAX_CACHE"]  # run.compile_cache: auto
     assert main(args + ["--set", "run.compile_cache=none"]) == 0
     assert jax.config.jax_compilation_cache_dir is None

@@ -15,9 +15,8 @@ a `jax.checkpoint` under a `SavePolicy` (`SCAN_POLICIES`). "outputs" (the defaul
 fp4_dot's quantized residuals and cuDNN attention's output and statistics, and recomputes the elementwise rest
 (norms, RoPE, SiLU) in the backward, where it fuses into the gradient's own passes. "operands" also keeps the
 bf16 operands of every linear's product (inputs and cast weights), which only a high-precision route's
-backward reads: at 1B its scanned bf16 step spent 191 ms in GEMMs under "outputs" against 159 ms when the scan
-saved everything, and whether saving the GEMMs' operands rather than recomputing them brings that back is for
-the next GPU run to show.
+backward reads (not measured on a GPU). Saved outputs need XLA's dynamic-slice fusion off (the apps' XLA flags,
+`fp4jax.platform`): it cloned each GEMM whose output is also saved into a fusion writing the residual stack.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ class Llama(nnx.Module):
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
   `lax.scan` under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs, not depth;
-  bf16 steps 12-18% slower on an H200 at 1B and 8B shapes, docs/BENCHMARKS.md); False (default) unrolls them,
-  with the same bits.
+  the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md); False
+  (default) unrolls them, with the same bits.
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
