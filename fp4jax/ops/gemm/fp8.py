@@ -25,18 +25,20 @@ dequantized to bf16 the same way (exact while its block exponents stay within [-
 
 FP8 x FP8 (the fp8 route, `numerics.current_scaling`): the operands already are float8 values with one float32
 decode factor per tensor, so the GEMM is `scaled_fp8_dot` as it stands, the scaled-FP8 pattern the MXFP4 fast
-path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale. On an H200
-(2026-12-02) that held for float8 operands passed into the program, but not for values cast to float8 inside
-it: the GEMM compiled to a cuBLASLt call that is not the FP8 one (float32 in an earlier run), or failed to
-compile ("GEMM is not supported by cublasLt"), consistent with XLA folding the cast pair f32 -> float8 -> f32
-(excess precision allowed, as seen for E4M3 round trips: `numerics.ieee`) before its FP8 rewrite. The MXFP4
-path, whose float8 values come from uint8 bits through a select, compiles to the FP8 GEMM; `fp8_operand` gives
-the fp8 route's values the same form. Whether that suffices is for the GPU test
-`test_gpu_forward_is_one_cublaslt_fp8_gemm` to show (not run yet). XLA:CPU computes
-the same program by upcasting: value * factor rounded once per element as `dequantize` does, then a float32
-dot, so it equals the emulated product up to the order of the sums. Accumulation follows Transformer Engine's
-HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to float32 in the GEMMs
-of the E5M2 gradient (dgrad, wgrad). cuBLASLt has no E5M2 x E5M2 GEMM, so that pair is not supported here.
+path writes too: ONE cuBLASLt FP8 GEMM on Hopper with both factors as its a_scale / b_scale, writing
+float32 (`_gemm_tensor_fp8` rounds to out_dtype after). A probe on the H200 (2026-12-02, 4096 x 2048 x 3072,
+XLA's Triton GEMMs off as the apps and tests run them) found that a float32-dequantized scaled-FP8 dot writing
+bf16 does not compile ("GEMM is not supported by cublasLt"), whether its float8 operands were passed in, read
+from their bytes or cast inside the program, while writing float32 gives `__cublas$lt$matmul$f8`. The values
+are read from their bytes (`fp8_operand`, the form of the MXFP4 path's encoding), so that XLA cannot fold a
+cast pair f32 -> float8 -> f32 away (excess precision allowed, as seen for E4M3 round trips: `numerics.ieee`);
+whether the bytes are still needed once the GEMM writes float32 was not isolated. `test_gpu_forward_is_one_cublaslt_fp8_gemm` checks the
+forward (one FP8 GEMM) and forward + backward (three) on a GPU; it passed on the H200 (2026-12-02).
+XLA:CPU computes the same program by upcasting: value * factor rounded once per element as `dequantize` does,
+then a float32 dot, so it equals the emulated product up to the order of the sums. Accumulation follows
+Transformer Engine's HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to
+float32 in the GEMMs of the E5M2 gradient (dgrad, wgrad). cuBLASLt has no E5M2 x E5M2 GEMM, so that pair is
+not supported here.
 """
 
 from __future__ import annotations
@@ -161,9 +163,13 @@ def fp8_operand(q: QTensor) -> jax.Array:
 
 
 def _gemm_tensor_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
-  """FP8 operands with one decode factor per tensor (the fp8 route): one scaled FP8 GEMM."""
+  """FP8 operands with one decode factor per tensor (the fp8 route): one scaled FP8 GEMM writing float32,
+  rounded to out_dtype after. On the H200 (2026-12-02) a float32-dequantized scaled-FP8 dot compiled to a
+  cuBLASLt FP8 GEMM when it wrote float32, and failed to compile ("GEMM is not supported by cublasLt") when
+  it wrote bf16 with XLA's Triton GEMMs off, as `python -m bench` and `python -m train` run."""
   precision = _FP8_PRECISION[(a.spec.element, b.spec.element)]
-  return scaled_fp8_dot(fp8_operand(a), a.outer, fp8_operand(b), b.outer, out_dtype, precision=precision)
+  out = scaled_fp8_dot(fp8_operand(a), a.outer, fp8_operand(b), b.outer, jnp.float32, precision=precision)
+  return out.astype(out_dtype)
 
 
 def _gemm_bf16(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
