@@ -5,7 +5,8 @@ kernel w and the gradient dy of the mean next-token cross-entropy w.r.t. its out
 layers or in `model`: inside the traced function a copy of the model is merged from its state, and each chosen
 FP4Linear of the copy gets a subclass (its class swapped back afterwards) whose `__call__` runs the layer
 unchanged, hands out its input and adds a zero "probe" to its output; the gradient of the loss w.r.t. the
-probe is dy.
+probe is dy. Linears that the model runs as one product (`LlamaConfig.fuse_linears`) run one by one in the
+copy, each with its own key.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def capture_linears(model: Llama, tokens: jax.Array, key: jax.Array | None = Non
   def run(state, probes):
     """The loss and the recorded inputs of a copy of the model (merged from its state), probed."""
     copy = nnx.merge(graphdef, state)
+    for _, module in nnx.iter_graph(copy):  # one product per linear, so that each layer's call is probed
+      if getattr(module, "fused", False):
+        module.fused = False
     paths = linear_paths(copy)
     with _probed({n: paths[n] for n in names}, probes, recorded := {}):
       logits = copy(inputs, key=key)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fp4jax.nn import RouteRules
+from fp4jax.nn import RouteRules, linear
 from fp4jax.nn.llama import PRESETS, Llama, Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.llama import layers
 from fp4jax.nn.llama.model import SCAN_POLICIES
@@ -291,12 +291,13 @@ def test_scanned_blocks_save_only_bf16_activations_and_quantized_operands(route,
   stacked = _scan_residuals(route, "outputs", capsys)
   assert {dtype.split("[")[0] for dtype in stacked} == ({"bf16"} if route == "bf16" else {"bf16", "u8"}), stacked
   assert all(shape.startswith(("bf16[3,", "u8[3,")) for shape in stacked), stacked
-  # "operands" adds the bf16 weights a high-precision route's backward reads (its 7 linears' kernels), and no
-  # more for an FP4 route, whose backward reads its quantized operands.
+  # "operands" adds the bf16 weights a high-precision route's backward reads (the kernels of its 4 products:
+  # q|k|v and gate|up fused, o, down), and no more for an FP4 route, whose backward reads its quantized operands.
   operands = _scan_residuals(route, "operands", capsys)
-  weights = [shape for shape in operands if re.fullmatch(r"bf16\[3,(32|64|192),(32|64|192)\]", shape)]
+  weights = [shape for shape in operands if re.fullmatch(r"bf16\[3,(64|192),(64|128|384)\]", shape)]
   if route == "bf16":
-    assert len(weights) == 7 and len(operands) > len(stacked), operands
+    assert sorted(weights) == ["bf16[3,192,64]", "bf16[3,64,128]", "bf16[3,64,384]", "bf16[3,64,64]"], operands
+    assert len(operands) > len(stacked), operands
   else:
     assert sorted(operands) == sorted(stacked), (operands, stacked)
 
@@ -315,3 +316,51 @@ def test_attention_auto_is_xla_off_gpu_and_falls_back_without_cudnn():
       jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto")).trace(q, k, v).lower(lowering_platforms=("cuda",))
   with pytest.raises(ValueError, match="unknown self.attention_impl='flash'"):
     dataclasses.replace(TINY, attention_impl="flash")
+
+
+def _dots_per_forward(model, tokens):
+  """dot_general equations in the jaxpr of the model's forward (XLA attention: 2 per block)."""
+  jaxpr = jax.make_jaxpr(lambda m: m(tokens, key=jax.random.key(0)))(model).jaxpr
+
+  def count(j):
+    return sum((e.primitive.name == "dot_general") + sum(count(getattr(p.jaxpr, "jaxpr", p.jaxpr))
+               for p in e.params.values() if hasattr(p, "jaxpr")) for e in j.eqns)
+  return count(jaxpr)
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4"])
+def test_fused_linears_are_one_product_with_the_same_parameters(route):
+  """fuse_linears (the default) runs q|k|v and gate|up as one product each: 4 GEMMs per block instead of 7, the
+  same parameter tree, and the same forward numbers up to the order of the GEMM's sums (x and each kernel column
+  quantize alike: RNE, per-block scales along K); the gradients differ as that, the fused dX sums and a keyed
+  dY do."""
+  config = dataclasses.replace(TINY, attention_impl="xla", n_layers=1)
+  fused = _model(config, route)
+  unfused = _model(dataclasses.replace(config, fuse_linears=False), route)
+  assert fused.layers[0].attn.fused and fused.layers[0].mlp.fused and not unfused.layers[0].attn.fused
+  assert jax.tree.structure(nnx.state(fused)) == jax.tree.structure(nnx.state(unfused))
+  for a, b in zip(jax.tree.leaves(nnx.state(fused)), jax.tree.leaves(nnx.state(unfused))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = _tokens()
+  assert _dots_per_forward(fused, tokens) + 3 == _dots_per_forward(unfused, tokens)
+  logits = [np.asarray(m(tokens, key=jax.random.key(0)), np.float32) for m in (fused, unfused)]
+  np.testing.assert_allclose(logits[0], logits[1], rtol=1e-6, atol=1e-6)
+
+  def grads(model):
+    graphdef, state = nnx.split(model)
+    return jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens, key=jax.random.key(0)) ** 2))(state)
+  g_fused, g_unfused = grads(fused), grads(unfused)
+  q = [np.asarray(g["layers"][0]["attn"]["q"]["kernel"][...], np.float32) for g in (g_fused, g_unfused)]
+  scale = np.abs(q[1]).max()
+  # bf16: one GEMM of N = 128 instead of three sums in another order, so the bf16 activations differ by an ulp
+  # here and there; mxfp4's dY views round stochastically: other keys, other bits.
+  tolerance = 0.02 if route == "bf16" else 0.25
+  np.testing.assert_allclose(q[0], q[1], atol=tolerance * scale)
+
+
+def test_linears_with_different_routes_are_not_fused():
+  rules = RouteRules.parse([r"layers\.0\.attn\.k=mxfp4", r"layers\.0\.mlp\.up=nvfp4"], default="bf16")
+  model = Llama(dataclasses.replace(TINY, n_layers=1), rules=rules, rngs=nnx.Rngs(0))
+  assert not model.layers[0].attn.fused and not model.layers[0].mlp.fused
+  with pytest.raises(ValueError, match="one input size, route"):
+    linear.fused_call([model.layers[0].attn.q, model.layers[0].attn.k], jnp.zeros((2, TINY.dim), jnp.bfloat16))

@@ -30,6 +30,8 @@ class LlamaConfig:
   initializer_range. `attention_impl`: "auto" (default) takes cuDNN's fused flash attention when compiling for a
   GPU and the call qualifies (`layers.attention`), else XLA's; "xla", "cudnn" or None (JAX's own pick, XLA's
   materialized scores in JAX 0.11) go to `jax.nn.dot_product_attention(implementation=...)` as they are.
+  `fuse_linears`: run q, k, v (and gate, up) as one product each (`nn.linear.fused_call`: x quantized once,
+  one GEMM) where their routes agree; the parameters stay one kernel per linear either way.
   """
 
   vocab_size: int
@@ -45,6 +47,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   init_std: float = 0.02
   attention_impl: str | None = "auto"
+  fuse_linears: bool = True
 
   def __post_init__(self):
     if self.dim % self.n_heads:

@@ -2,7 +2,8 @@
 
 Every dense layer is an `FP4Linear` whose route comes from `RouteRules.resolve(path)` at construction,
 `path` being its dotted module path in the model (see fp4jax/nn/rules.py). Random keys: each linear gets
-`jax.random.fold_in(key, index)` with the fixed per-linear index documented in `linear_index`.
+`jax.random.fold_in(key, index)` with the fixed per-linear index documented in `linear_index`; linears run as
+one product (`LlamaConfig.fuse_linears`: q, k, v and gate, up) draw the first one's key.
 
 Shapes: B batch, T sequence, D model dim, H query heads, K kv heads, Dh head dim, F ffn dim.
 """
@@ -20,6 +21,7 @@ from flax import nnx
 
 from fp4jax import route as route_lib
 from fp4jax.impl import Impl
+from fp4jax.nn import linear
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
@@ -161,6 +163,8 @@ class Attention(nnx.Module):
     self.k = make("k", d, config.n_kv_heads * hd)
     self.v = make("v", d, config.n_kv_heads * hd)
     self.o = make("o", config.n_heads * hd, d)
+    # One product for q, k, v where they share a route (`linear.fused_call`); static, part of the graph.
+    self.fused = config.fuse_linears and linear.fusable([self.q, self.k, self.v])
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, key: jax.Array | None = None,
                layer: int | jax.Array | None = None) -> jax.Array:
@@ -168,9 +172,13 @@ class Attention(nnx.Module):
     layer = self.layer if layer is None else layer
     keys = _fold(key, layer, "attn")
     b, t, _ = x.shape  # [B, T, D]
-    q = self.q(x, key=keys["q"]).reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
-    k = self.k(x, key=keys["k"]).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
-    v = self.v(x, key=keys["v"]).reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    if self.fused:  # the product draws q's key
+      q, k, v = linear.fused_call([self.q, self.k, self.v], x, key=keys["q"])
+    else:
+      q, k, v = (self.q(x, key=keys["q"]), self.k(x, key=keys["k"]), self.v(x, key=keys["v"]))
+    q = q.reshape(b, t, self.n_heads, self.head_dim)  # [B, T, H, Dh]
+    k = k.reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
+    v = v.reshape(b, t, self.n_kv_heads, self.head_dim)  # [B, T, K, Dh]
     freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # [Dh/2], constants
     q = apply_rope(q, positions, freqs)
     k = apply_rope(k, positions, freqs)
@@ -188,15 +196,18 @@ class MLP(nnx.Module):
     self.gate = make("gate", config.dim, config.ffn_dim)
     self.up = make("up", config.dim, config.ffn_dim)
     self.down = make("down", config.ffn_dim, config.dim)
+    self.fused = config.fuse_linears and linear.fusable([self.gate, self.up])  # as in `Attention`
 
   def __call__(self, x: jax.Array, *, key: jax.Array | None = None,
                layer: int | jax.Array | None = None) -> jax.Array:
     """`layer` overrides `self.layer` in the key indices, as in `Attention`."""
     layer = self.layer if layer is None else layer
     keys = _fold(key, layer, "mlp")
-    gate = self.gate(x, key=keys["gate"]).astype(jnp.float32)  # [B, T, F]
-    up = self.up(x, key=keys["up"]).astype(jnp.float32)  # [B, T, F]
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    if self.fused:  # the product draws gate's key
+      gate, up = linear.fused_call([self.gate, self.up], x, key=keys["gate"])
+    else:
+      gate, up = self.gate(x, key=keys["gate"]), self.up(x, key=keys["up"])
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)  # [B, T, F]
     return self.down(h, key=keys["down"])  # [B, T, D]
 
 
