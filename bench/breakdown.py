@@ -129,6 +129,35 @@ def breakdown(attributed: dict[tuple[str, str, str], float]) -> tuple[dict[str, 
   return out, top
 
 
+_GEMM_CALL = re.compile(r"=\s*\(?([a-z]\w*\[[\d,]*\](?:\{[\d,]*\})?).*custom_call_target=\"([^\"]*cublas[^\"]*)\"")
+
+
+def gemm_signatures(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> "result shape (contracting lhs/rhs dims)" for every cuBLAS(Lt) GEMM of a compiled
+  module's text (which names operands without their shapes): which product a GEMM event is, e.g. to match
+  one GEMM between a scanned and an unrolled program."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m, call = _INSTRUCTION.match(line), _GEMM_CALL.search(line)
+    if not (m and call):
+      continue
+    dims = [",".join(re.findall(r'"(\d+)"', d)) for d in
+            re.findall(r'"(?:lhs|rhs)_contracting_dimensions":\[([^\]]*)\]', line)]
+    out[m.group(1)] = call.group(1) + (f" (contracting {'/'.join(dims)})" if dims else "")
+  return out
+
+
+def top_gemms(attributed: dict[tuple[str, str, str], float], signatures: dict[str, str],
+              n: int = 20) -> list[tuple[str, str, str, float]]:
+  """The `n` GEMM instructions with the most device time in `attribute`'s result, as (category, signature
+  (`gemm_signatures`), kernel, seconds summed over launches; a scanned body's GEMM runs once per layer)."""
+  totals: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+  for (category, op, kernel), seconds in attributed.items():
+    if category.endswith("gemm"):
+      totals[(category, signatures.get(_op_name(op), _op_name(op)), kernel)] += seconds
+  return [(c, sig, k, s) for (c, sig, k), s in sorted(totals.items(), key=lambda e: -e[1])[:n]]
+
+
 def top_kernels(attributed: dict[tuple[str, str, str], float], n: int = 15) -> list[tuple[str, str, float]]:
   """The `n` kernels with the most device time in `attribute`'s result, as (category, kernel name, seconds
   summed over launches): what to compare when two programs' categories differ (a scanned and an unrolled step,

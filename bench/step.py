@@ -2,7 +2,8 @@
 
   python -m bench step --preset 1b --tokens 8x2048 [--layers N] [--routes bf16 mxfp4 ...] [--iters 10]
                        [--profile] [--scan [--scan-saves outputs|operands]] [--attention auto|xla|cudnn]
-                       [--out step.json]
+                       [--unfused-linears]
+                       [--out step.json] [--hlo DIR]
 
 The step is `python -m train`'s: next-token cross-entropy, `nnx.value_and_grad`, AdamW, the state donated;
 bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
@@ -20,7 +21,8 @@ Columns:
            half of the T x T square).
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
 `--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
-kernels that took the most time (`top_kernels` in the JSON; the first five per route are printed). The
+kernels and GEMM instructions (with their shapes) that took the most time (`top_kernels`, `top_gemms` in the
+JSON; the first five kernels per route are printed). The
 profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
@@ -29,7 +31,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -58,12 +62,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
                       help="what a scanned block keeps for its backward (fp4jax.nn.llama.model.SCAN_POLICIES)")
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
+  parser.add_argument("--unfused-linears", action="store_true",
+                      help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
   parser.add_argument("--out", help="write the rows as JSON here")
+  parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")
 
 
 def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
-               layers: int | None = None, attention: str = "auto", scan_saves: str = "outputs"):
+               layers: int | None = None, attention: str = "auto", scan_saves: str = "outputs",
+               fuse_linears: bool = True):
   """(train_step, create_state, abstract state, abstract tokens, LlamaConfig) for a Llama preset with `route`
   on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward and
   AdamW as `python -m train` does; `create_state()` returns freshly initialized state."""
@@ -72,7 +80,8 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
   overrides = {"n_layers": layers} if layers else {}
-  cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention, **overrides)
+  cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention, fuse_linears=fuse_linears,
+                           **overrides)
   rules = RouteRules.standard(route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
   tx = optax.adamw(1e-4)
 
@@ -124,13 +133,20 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
   step_fn, create, abstract, tokens_spec, cfg = llama_step(
       args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
-      scan_saves=args.scan_saves)
+      scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
-         "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention}
+         "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention,
+         "fused_linears": not args.unfused_linears}
   t0 = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(
       abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
   row["compile_s"] = time.perf_counter() - t0
+  _progress(route, f"compiled in {row['compile_s']:.1f} s")
+  if args.hlo:
+    path = pathlib.Path(args.hlo) / (f"{args.preset}_{cfg.n_layers}l_{batch}x{seq}_"
+                                     f"{'scan_' + args.scan_saves if args.scan else 'unrolled'}_{route}.hlo.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(compiled.as_text())
   row["memory_bytes"] = planned_bytes(compiled)
   state = jax.jit(create)()
   tokens = jax.random.randint(jax.random.key(1), tokens_spec.shape, 0, cfg.vocab_size, jnp.int32)
@@ -156,6 +172,8 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
     # A second compile of the same step with XLA's command buffers (CUDA graphs) off: inside a graph a kernel's
     # profile event names the graph, not its HLO instruction, and the categories come from the instruction.
     # Kernel durations are the graph's; only the launch gaps between them may differ.
+    _progress(route, f"{args.iters * 3 + 2} steps timed; compiling again to profile")
+    t_profile = time.perf_counter()
     profiled = jax.jit(step_fn, donate_argnums=0).lower(
         abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile(compiler_options=PROFILE_OPTIONS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,13 +184,21 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
         jax.block_until_ready(loss)
       xplane = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
       events = breakdown.device_events(xplane, module="train_step")
-    attributed = breakdown.attribute(profiled.as_text(), events)
+    hlo_text = profiled.as_text()
+    attributed = breakdown.attribute(hlo_text, events)
     seconds, unattributed = breakdown.breakdown(attributed)
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
     row["top_kernels"] = [(category, kernel, s / 3) for category, kernel, s in breakdown.top_kernels(attributed)]
+    row["top_gemms"] = [(category, signature, kernel, s / 3) for category, signature, kernel, s
+                        in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text))]
+    _progress(route, f"profiled in {time.perf_counter() - t_profile:.0f} s")
   del state
   return row
+
+
+def _progress(route: str, message: str) -> None:
+  print(f"  [{route}] {message}", file=sys.stderr, flush=True)
 
 
 def _table(rows: list[dict]) -> str:
@@ -208,8 +234,8 @@ def run(args: argparse.Namespace) -> None:
   batch, seq = (int(v) for v in args.tokens.split("x"))
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
-        f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}",
-        flush=True)
+        f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}, "
+        f"linears {'unfused' if args.unfused_linears else 'fused'}", flush=True)
   rows = []
   for route in args.routes:
     try:

@@ -124,7 +124,7 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
 _MODULE = """HloModule jit_train_step
 ENTRY %main {
   %fp8 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[8,32]{1,0} %a, f8e4m3fn[8,32]{1,0} %b), custom_call_target="__cublas$lt$matmul$f8"
-  %gemm.2 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%c, %d), custom_call_target="__cublas$gemm"
+  %gemm.2 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%c, %d), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %tg = bf16[8,8]{1,0} fusion(%c, %d), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %fmha = (bf16[1,8,2,64]{3,2,1,0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
   %pallas_call.3 = (u8[8,16]{1,0}) custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
@@ -149,6 +149,12 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
   events += [("fp8", "nvjet_qqtst", 1.0)]  # a second launch of the same kernel adds to its total
   assert breakdown.top_kernels(breakdown.attribute(_MODULE, events), n=2) == [("fp8 gemm", "nvjet_qqtst", 3.0),
                                                          ("bf16 gemm", "sm90_xmma_gemm_bf16", 1.0)]
+  signatures = breakdown.gemm_signatures(_MODULE)
+  assert signatures == {"fp8": "bf16[8,8]{1,0}", "gemm.2": "bf16[8,8]{1,0} (contracting 1/0)"}
+  assert breakdown.top_gemms(breakdown.attribute(_MODULE, events), signatures) == [
+      ("fp8 gemm", "bf16[8,8]{1,0}", "nvjet_qqtst", 3.0),
+      ("bf16 gemm", "bf16[8,8]{1,0} (contracting 1/0)", "sm90_xmma_gemm_bf16", 1.0),
+      ("fp8 gemm", "other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25)]
 
 
 def test_step_flops_per_token_is_6n_plus_attention():
@@ -163,7 +169,7 @@ def test_step_flops_per_token_is_6n_plus_attention():
 def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   out = tmp_path / "step.json"
   main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "mxfp4",
-        "--iters", "1", "--profile", "--out", str(out)])
+        "--iters", "1", "--profile", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
   rows = json.loads(out.read_text())["rows"]
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
   for r in rows:
@@ -171,6 +177,9 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
     assert sum(r["breakdown_s"].values()) > 0
     assert r["top_kernels"] and sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]  # CPU: XLA quantizers
+  hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+  assert hlo == ["tiny_2l_2x32_unrolled_bf16.hlo.txt", "tiny_2l_2x32_unrolled_mxfp4.hlo.txt"]
+  assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
 
