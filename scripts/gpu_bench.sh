@@ -16,6 +16,10 @@ parts=("${@:-tests quantize dot train}")
 DOT_FLAGS=--xla_gpu_enable_triton_gemm=false  # cuBLAS for every dot: 1-4 s compiles, same GEMM speed
 parts=(${parts[*]})
 log() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+step_8b() {  # ROUTE unrolled|scan: one row of 12 Llama-3-8B blocks, 2 x 4096 tokens, into $OUT/step_8b_ROUTE_HOW.json
+  timeout ${STEP_LIMIT:-150} python3 -m bench step --preset llama3_8b --layers 12 --tokens 2x4096 --iters 3 \
+    $([ "$2" = scan ] && echo --scan) --out "$OUT/step_8b_$1_$2.json" --routes "$1" 2>&1 | grep -v Delay | tail -1
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
 for part in "${parts[@]}"; do
@@ -25,10 +29,9 @@ for part in "${parts[@]}"; do
       timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 tests 2>&1 \
         | tail -45 ;;
     verify)
-      log "GPU tests of the changes not yet run on a GPU (ieee.div through float64, the fp8 route's FP8 GEMM)"
-      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/numerics/test_ieee.py \
-        tests/test_fp8_route.py tests/ops/quantize/test_quantize_common.py tests/ops/quantize/test_quantize_nvfp4.py \
-        tests/ops/quantize/test_quantize_eden.py 2>&1 | tail -20 ;;
+      log "GPU tests of the latest changes (scanned forward GEMMs once, the fp8 route's FP8 GEMM, ieee.div)"
+      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/benchmarks/test_bench.py \
+        tests/test_fp8_route.py tests/numerics/test_ieee.py 2>&1 | tail -20 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
@@ -43,22 +46,27 @@ for part in "${parts[@]}"; do
       log "train step compile (cold): Llama-30M 64x512 unrolled, with XLA's longest compile events"
       timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \
         --passes 25 --routes bf16 mxfp4 nvfp4 2>&1 | tail -84
+      log "Llama-125M 16x1024: unrolled bf16; scanned routes cold, then warm (one fresh cache)"
+      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 125m --tokens 16x1024 \
+        --routes bf16 2>&1 | tail -1
+      for pass in cold warm; do
+        timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache "$OUT/jax_cache" compile --step 125m \
+          --tokens 16x1024 --scan --warm --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -4
+      done
       log "scanned blocks: Llama-30M 64x512 and Llama-1B 8x2048"
       timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 --scan \
         --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -4
       timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 1b --tokens 8x2048 --scan \
         --routes bf16 mxfp4 nvfp4 2>&1 | tail -3 ;;
     step)
-      log "whole train steps, blocks scanned (FP4 routes unrolled compile for minutes at 1B), with the unrolled bf16"
-      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --routes bf16 2>&1 | tail -2
-      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --scan --profile \
-        --out "$OUT/step_1b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -20
-      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset 1b --tokens 8x2048 --iters 5 --scan --profile \
-        --scan-saves operands --out "$OUT/step_1b_operands.json" --routes bf16 2>&1 | tail -6
-      timeout ${STEP_LIMIT:-60} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 \
-        --routes bf16 2>&1 | tail -2
-      timeout ${STEP_LIMIT:-300} python3 -m bench step --preset llama3_8b --layers 4 --tokens 2x4096 --iters 5 --scan \
-        --profile --out "$OUT/step_8b.json" --routes ${STEP_ROUTES:-bf16 fp8 mxfp4 mxfp4_h32 nvfp4} 2>&1 | tail -20 ;;
+      # Each 1B / 8B row takes tens of seconds beyond its compile (docs/BENCHMARKS.md): one process per route.
+      log "whole train steps: 12 Llama-3-8B blocks and Llama-1B, unrolled bf16 and scanned routes"
+      step_8b bf16 unrolled
+      for route in ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 fp8 nvfp4}; do step_8b "$route" scan; done
+      timeout ${STEP_LIMIT:-150} python3 -m bench step --preset 1b --tokens 8x2048 --iters 3 --routes bf16 2>&1 \
+        | grep -v Delay | tail -1
+      timeout ${STEP_LIMIT:-150} python3 -m bench step --preset 1b --tokens 8x2048 --iters 3 --scan --profile \
+        --out "$OUT/step_1b_mxfp4.json" --routes mxfp4 2>&1 | grep -v Delay | tail -6 ;;
     train)
       log "Llama-125M on Wikipedia: bf16 vs mxfp4_h32 vs nvfp4"
       timeout ${TRAIN_LIMIT:-550} python3 -m train --config configs/llama_125m_wiki.yaml \
