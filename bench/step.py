@@ -148,13 +148,17 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(compiled.as_text())
   row["memory_bytes"] = planned_bytes(compiled)
-  state = jax.jit(create)()
+  t0 = time.perf_counter()
+  state = jax.block_until_ready(jax.jit(create)())
+  _progress(route, f"state initialized in {time.perf_counter() - t0:.1f} s")
   tokens = jax.random.randint(jax.random.key(1), tokens_spec.shape, 0, cfg.vocab_size, jnp.int32)
   i = 0
+  t0 = time.perf_counter()
   for _ in range(2):  # Warm-up: first-run allocations and autotuned kernels' first launches.
     state, loss = compiled(state, tokens, jnp.int32(i))
     i += 1
   jax.block_until_ready(loss)
+  _progress(route, f"2 warm-up steps in {time.perf_counter() - t0:.1f} s")
   times = []
   for _ in range(3):  # Three batches of back-to-back steps; the median batch's time per step.
     t0 = time.perf_counter()
