@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from typing import Any
 
@@ -51,19 +52,21 @@ class ModelConfig:
 
   dtype is the activation/compute dtype of the non-FP4 parts ("bfloat16" on accelerators; "float32" is ~3x
   faster on CPU, where XLA emulates bf16 dots). scan_layers: compile each run of same-route blocks once
-  (`Llama(scan_layers=...)`): faster compiles of deep models, slower steps (same numbers). scan_saves: what a
+  (`Llama(scan_layers=...)`): faster compiles of deep models, slower bf16 steps (same numbers); "auto" (the
+  default) scans the blocks of a quantized route and unrolls a bf16 model. scan_saves: what a
   scanned block keeps for its backward, a key of `fp4jax.nn.llama.model.SCAN_POLICIES` ("outputs", "operands").
   """
   preset: str = "tiny"
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
   dtype: str = "bfloat16"
-  scan_layers: bool = False
+  scan_layers: bool | str = "auto"
   scan_saves: str = "outputs"
 
   def __post_init__(self):
     from fp4jax.nn.llama import PRESETS, LlamaConfig  # pylint: disable=g-import-not-at-top
     from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
     _check_counts("model", self, {"preset": _one_of(list(PRESETS)), "dtype": _one_of(DTYPES),
+                                  "scan_layers": _one_of([True, False, "auto"]),
                                   "scan_saves": _one_of(list(SCAN_POLICIES))})
     valid = [f.name for f in dataclasses.fields(LlamaConfig)]
     unknown = sorted(set(self.overrides) - set(valid))
@@ -224,6 +227,13 @@ def convert(value: Any, tp: Any, where: str) -> Any:
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{where}: expected a list, got {value!r}")
     return tuple(convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+  if origin in (typing.Union, types.UnionType):  # the first member type that takes the value (bool | str)
+    for member in typing.get_args(tp)[:-1]:
+      try:
+        return convert(value, member, where)
+      except ConfigError:
+        pass
+    return convert(value, typing.get_args(tp)[-1], where)
   if tp is bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
       return value.lower() == "true"

@@ -364,3 +364,13 @@ def test_linears_with_different_routes_are_not_fused():
   assert not model.layers[0].attn.fused and not model.layers[0].mlp.fused
   with pytest.raises(ValueError, match="one input size, route"):
     linear.fused_call([model.layers[0].attn.q, model.layers[0].attn.k], jnp.zeros((2, TINY.dim), jnp.bfloat16))
+
+
+def test_scan_layers_auto_scans_quantized_blocks_only():
+  assert not _model().scan_layers  # the library's default: unrolled
+  rules = lambda route, **kw: RouteRules.standard(route, n_layers=TINY.n_layers, **kw)
+  auto = lambda r: Llama(TINY, rules=r, rngs=nnx.Rngs(0), scan_layers="auto").scan_layers
+  assert auto(rules("mxfp4")) and auto(rules("fp8")) and not auto(rules("bf16"))
+  assert not auto(rules("mxfp4", bf16_first=1, bf16_last=1))  # both tiny blocks in bf16: nothing to gain
+  with pytest.raises(ValueError, match="scan_layers takes True, False or 'auto'"):
+    Llama(TINY, rules=rules("bf16"), rngs=nnx.Rngs(0), scan_layers="yes")

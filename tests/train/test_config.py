@@ -44,6 +44,7 @@ def test_yaml_and_overrides(tmp_path):
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
     ("model.scan_saves=all", r"model.scan_saves='all' must be one of \['outputs', 'operands'\]"),
+    ("model.scan_layers=sometimes", r"model.scan_layers='sometimes' must be one of \[True, False, 'auto'\]"),
     ("optim.warmup=-5", r"optim.warmup=-5 must be >= 0"),
     ("rules.bf16_last=3", r"rules.bf16_first=0 \+ rules.bf16_last=3 blocks in bf16 is more than the model's 2 blocks"),
 ])

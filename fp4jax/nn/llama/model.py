@@ -72,14 +72,17 @@ class Llama(nnx.Module):
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
   `lax.scan` under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs, not depth;
   the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md); False
-  (default) unrolls them, with the same bits.
+  (default) unrolls them, with the same bits; "auto" scans when any block runs a quantized route (whose
+  unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it took 11 s) and
+  unrolls bf16-only models.
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
-               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool = False,
+               dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool | str = False,
                scan_policy: SavePolicy = SCAN_SAVES):
+    if scan_layers not in (True, False, "auto"):
+      raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
     self.config = config
-    self.scan_layers = scan_layers
     self.scan_policy = scan_policy
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
@@ -89,6 +92,10 @@ class Llama(nnx.Module):
         for i in range(config.n_layers)
     ])
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    if scan_layers == "auto":  # scan where a block runs an FP4 (or FP8) route: see the class docstring
+      scan_layers = any(not module.route.high_precision for _, module in nnx.iter_graph(self.layers)
+                        if isinstance(module, FP4Linear))
+    self.scan_layers = scan_layers
     if config.tie_embeddings:
       self.lm_head = nnx.data(None)
     else:
