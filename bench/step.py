@@ -22,8 +22,8 @@ Columns:
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
 `--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
 kernels and GEMM instructions (with their shapes) that took the most time (`top_kernels`, `top_gemms` in the
-JSON; the first five kernels per route are printed). The
-profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
+JSON; the first five kernels per route are printed). The profile runs a second compile of the step with XLA's
+command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations

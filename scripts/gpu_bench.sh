@@ -3,7 +3,8 @@
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
-# parts: tests verify quantize dot compile step train (default: tests quantize dot train). Logs and results land in $OUT.
+# parts: tests verify quantize dot compile step train (default: tests quantize dot train).
+# Logs and results land in $OUT.
 # Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
 # the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
 # separate calls.
@@ -59,7 +60,7 @@ for part in "${parts[@]}"; do
       timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 1b --tokens 8x2048 --scan \
         --routes bf16 mxfp4 nvfp4 2>&1 | tail -3 ;;
     step)
-      # Each 1B / 8B row takes tens of seconds beyond its compile (docs/BENCHMARKS.md): one process per route.
+      # A 1B row took tens of seconds beyond its compile (docs/BENCHMARKS.md): one process per route.
       log "whole train steps: 12 Llama-3-8B blocks and Llama-1B, unrolled bf16 and scanned routes"
       step_8b bf16 unrolled
       for route in ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 fp8 nvfp4}; do step_8b "$route" scan; done

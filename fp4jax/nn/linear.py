@@ -91,9 +91,7 @@ class FP4Linear(nnx.Module):
     """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
     if x.shape[-1] != self.in_features:
       raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
-    x = checkpoint_name(x.astype(self.dtype), INPUT)
-    kernel = checkpoint_name(self.kernel[...].astype(self.dtype), KERNEL)
-    y = fp4_dot(x, kernel, route=self.route, key=key, impl=self.impl, out_dtype=self.out_dtype)
+    y = _product([self], x, key)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.out_dtype)
     return checkpoint_name(y, OUTPUT)  # [..., out]
@@ -125,16 +123,22 @@ def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | N
   if not fusable(linears):
     raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes and no bias: "
                      f"{[(m.in_features, m.route.name, m.bias is not None) for m in linears]}")
+  if x.shape[-1] != linears[0].in_features:
+    raise ValueError(f"input feature size {x.shape[-1]} != {linears[0].in_features=}")
+  y = checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]
+  bounds = list(itertools.accumulate(m.out_features for m in linears))[:-1]
+  return jnp.split(y, bounds, axis=-1)
+
+
+def _product(linears: Sequence[FP4Linear], x: jax.Array, key: jax.Array | None) -> jax.Array:
+  """x [..., in] @ the kernels of `linears` (one, or `fusable` ones) concatenated along the output axis, by
+  `fp4_dot` under the first one's route, with the INPUT and KERNEL tags; no bias, x's size already checked.
+  One kernel is used as it is (a concatenation of one array is that array)."""
   first = linears[0]
-  if x.shape[-1] != first.in_features:
-    raise ValueError(f"input feature size {x.shape[-1]} != {first.in_features=}")
   x = checkpoint_name(x.astype(first.dtype), INPUT)
   kernel = jnp.concatenate([m.kernel[...].astype(first.dtype) for m in linears], axis=1)  # [in, sum(out)]
   kernel = checkpoint_name(kernel, KERNEL)
-  y = fp4_dot(x, kernel, route=first.route, key=key, impl=first.impl, out_dtype=first.out_dtype)
-  y = checkpoint_name(y, OUTPUT)  # [..., sum(out)]
-  bounds = list(itertools.accumulate(m.out_features for m in linears))[:-1]
-  return jnp.split(y, bounds, axis=-1)
+  return fp4_dot(x, kernel, route=first.route, key=key, impl=first.impl, out_dtype=first.out_dtype)
 
 
 def fp4_dot_general(route: str | Route, key: jax.Array | None = None,

@@ -32,8 +32,9 @@ bf16 does not compile ("GEMM is not supported by cublasLt"), whether its float8 
 from their bytes or cast inside the program, while writing float32 gives `__cublas$lt$matmul$f8`. The values
 are read from their bytes (`fp8_operand`, the form of the MXFP4 path's encoding), so that XLA cannot fold a
 cast pair f32 -> float8 -> f32 away (excess precision allowed, as seen for E4M3 round trips: `numerics.ieee`);
-whether the bytes are still needed once the GEMM writes float32 was not isolated. `test_gpu_forward_is_one_cublaslt_fp8_gemm` checks the
-forward (one FP8 GEMM) and forward + backward (three) on a GPU; it passed on the H200 (2026-12-02).
+whether the bytes are still needed once the GEMM writes float32 was not isolated.
+`test_gpu_forward_is_one_cublaslt_fp8_gemm` checks the forward (one FP8 GEMM) and forward + backward (three)
+on a GPU; it passed on the H200 (2026-12-02).
 XLA:CPU computes the same program by upcasting: value * factor rounded once per element as `dequantize` does,
 then a float32 dot, so it equals the emulated product up to the order of the sums. Accumulation follows
 Transformer Engine's HYBRID recipe: FP8 fast accumulation for fprop (E4M3 x E4M3), partial sums promoted to
@@ -164,9 +165,7 @@ def fp8_operand(q: QTensor) -> jax.Array:
 
 def _gemm_tensor_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   """FP8 operands with one decode factor per tensor (the fp8 route): one scaled FP8 GEMM writing float32,
-  rounded to out_dtype after. On the H200 (2026-12-02) a float32-dequantized scaled-FP8 dot compiled to a
-  cuBLASLt FP8 GEMM when it wrote float32, and failed to compile ("GEMM is not supported by cublasLt") when
-  it wrote bf16 with XLA's Triton GEMMs off, as `python -m bench` and `python -m train` run."""
+  rounded to out_dtype after (writing bf16 does not compile on Hopper: module docstring)."""
   precision = _FP8_PRECISION[(a.spec.element, b.spec.element)]
   out = scaled_fp8_dot(fp8_operand(a), a.outer, fp8_operand(b), b.outer, jnp.float32, precision=precision)
   return out.astype(out_dtype)
