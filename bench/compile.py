@@ -1,7 +1,8 @@
 """`python -m bench compile`: where compile time goes, per route.
 
   python -m bench compile [--shapes 0] [--routes ...]                fp4_dot forward and forward+backward
-  python -m bench compile --step 30m [--tokens 8x512] [--scan] [--h200] [--routes ...]   a whole train step
+  python -m bench compile --step 30m [--tokens 8x512] [--scan] [--unfused-linears] [--h200] [--routes ...]
+                                                                   a whole train step
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
@@ -46,6 +47,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--step", metavar="PRESET", help="time a whole Llama train step of this preset instead")
   parser.add_argument("--tokens", default="8x512", help="--step's batch: BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--scan", action="store_true", help="--step: run same-route blocks as one scanned body")
+  parser.add_argument("--unfused-linears", action="store_true",
+                      help="--step: one product per linear (LlamaConfig.fuse_linears=False)")
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
   parser.add_argument("--passes", type=int, default=0, metavar="N",
                       help="print the N XLA compile events (passes, backend) that took longest")
@@ -152,8 +155,10 @@ def run(args: argparse.Namespace) -> None:
   if args.step:
     batch, seq = (int(v) for v in args.tokens.split("x"))
     for route in args.routes:
-      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan)
-      name = f"{args.step} {'scanned' if args.scan else 'unrolled'} {batch}x{seq} {route}"
+      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan,
+                                             fuse_linears=not args.unfused_linears)
+      name = (f"{args.step} {'scanned' if args.scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
+              f"{batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
                        passes=args.passes)
       print(_line(name, phases), flush=True)

@@ -132,7 +132,8 @@ def _wide_out_dot(out_dtype: np.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
   """x [..., K] @ w [K, N] accumulated and returned in out_dtype, from bf16 (say) operands. The cotangent, in
   out_dtype, is rounded to the operands' dtype before the two backward GEMMs, as a bf16 output's would be:
   left to JAX's own rule, a float32 cotangent times a bf16 operand becomes a float32 x float32 GEMM (TF32 on
-  Hopper), which ran the Llama-1B lm_head's gradients 2.7x slower than bf16 on an H200 (docs/BENCHMARKS.md)."""
+  Hopper): the Llama-1B lm_head's two gradient GEMMs took 24.8 ms per step on an H200, all three of its GEMMs
+  13.5 ms once bf16 (docs/BENCHMARKS.md)."""
   return jnp.dot(x, w, preferred_element_type=out_dtype)
 
 

@@ -476,7 +476,7 @@ def _dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
 
 def test_bf16_route_float32_out_backward_is_bf16_gemms():
   """A bf16 route with float32 out (logits): the backward GEMMs read the cotangent rounded to bf16, as a bf16
-  output's would be, instead of a float32 x float32 GEMM (TF32 on Hopper, 2.7x slower); the numbers are the
+  output's would be, instead of a float32 x float32 GEMM (TF32 on Hopper, slow); the numbers are the
   plain dots' on that rounded cotangent."""
   kx, kw, kg = jax.random.split(jax.random.key(5), 3)
   x = jax.random.normal(kx, (2, 24, 64), jnp.bfloat16)

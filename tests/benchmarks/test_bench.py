@@ -119,6 +119,12 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
   counts = [re.search(r"(\d+) sites / (\d+) distinct", l).groups() for l in lines]
   assert counts[0] == ("0", "0") and counts[1] == ("9", "9"), counts  # one dual-view kernel per distinct operand
   assert compile_bench.kernel_counts('ir = "a" ir = "b" ir = "a"') == (3, 2)
+  # --unfused-linears: one product per linear, so a larger program (q, k, v and gate, up separately).
+  hlo = lambda line: float(re.search(r"hlo ([\d.]+)k", line).group(1))
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--unfused-linears",
+        "--routes", "mxfp4"])
+  unfused = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled unfused 2x32")]
+  assert len(unfused) == 1 and hlo(unfused[0]) > hlo(lines[1]), (unfused, lines)
 
 
 _MODULE = """HloModule jit_train_step
