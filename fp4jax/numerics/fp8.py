@@ -31,10 +31,12 @@ a normal float32 (XLA on CPU flushes float32 subnormals to zero).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.numerics import ieee
 from fp4jax.numerics.qtensor import QTensor
@@ -96,23 +98,75 @@ def row_factors(scales: jax.Array, e_row: jax.Array) -> jax.Array:
   return jnp.where(row_nan, jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))
 
 
-def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
-  """float8_e4m3fn [R, K] = RNE(e2m1(q) * 2^(e_b - e_ref + 6)), 0x7F (NaN) in NaN blocks.
+def e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
+  """int32 E4M3 bytes of e2m1(code) * 2^d, rounded to nearest-even (int32 `code` with its sign in bit 3, int32
+  `d` <= 6 broadcastable to it): integer arithmetic only, shared by the XLA encoder and the Pallas one.
 
-  e_ref: int32 reference exponent broadcastable to scales' [R, K/32] (per row or per tensor).
+  An E2M1 magnitude m >= 2 is (1 + (m & 1) / 2) * 2^((m >> 1) - 1), m = 1 is 2^-1. Shifted by d, its exponent
+  te gives the normal byte (te + 7) << 3 | mantissa << 2 for te >= -6; below, the value is v / 2^t units of
+  the smallest subnormal 2^-9 (v = 8 or 12, t = -(te + 6) >= 1), rounded to nearest-even, and t >= 5 rounds
+  to 0 (v < 2^4), so any d below the range gives a signed zero as the float conversion would.
+  """
+  m = code & 7
+  is_norm2 = m >= 2
+  mb = jnp.where(is_norm2, m & 1, 0)  # the E2M1 mantissa bit
+  te = jnp.where(is_norm2, (m >> 1) - 1, -1) + d  # exponent of the shifted value
+  normal = ((te + 7) << 3) | (mb << 2)
+  t = jnp.clip(-(te + 6), 1, 5)
+  v = 8 + 4 * mb
+  sub = (v + (1 << (t - 1)) - 1 + ((v >> t) & 1)) >> t  # round to nearest, ties to even
+  mag = jnp.where(m == 0, 0, jnp.where(te >= -6, normal, sub))
+  return mag | ((code & 8) << 4)
+
+
+def encode_words(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
+  """uint16 [..., 16] words of the E4M3 encoding of packed codes [..., 16] (one scale block per trailing row of
+  16 bytes) with uint8 scales [...] against int32 reference exponents e_ref (broadcastable to scales): the low
+  byte encodes a byte's low nibble (the even element), the high byte its high nibble; 0x7F7F in NaN blocks.
+  One uint16 per input byte keeps the pass elementwise (no interleave of the two nibbles)."""
+  c = codes.astype(jnp.int32)
+  s = scales.astype(jnp.int32)
+  d = (s - E8M0_BIAS - e_ref + FP8_HEADROOM)[..., None]  # <= 6 for finite blocks
+  both = e4m3_bits(c & 15, d) | (e4m3_bits(c >> 4, d) << 8)
+  return jnp.where((s == E8M0_NAN)[..., None], E4M3_NAN_BITS * 257, both).astype(jnp.uint16)
+
+
+def words_to_values(words: jax.Array, r: int, k: int) -> jax.Array:
+  """float8_e4m3fn [r, k] from the uint16 words of `encode_words` (little-endian: even element first)."""
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(r, k),
+                                      jnp.float8_e4m3fn)
+
+
+# Shifts below this give signed zeros only: 6 * 2^-13 = 0.75 * 2^-10 is under half the smallest subnormal 2^-9.
+_ZERO_SHIFT = -13
+
+
+@functools.lru_cache(maxsize=1)
+def word_table() -> np.ndarray:
+  """uint16 [21, 256]: `encode_words` of every packed byte at every shift from _ZERO_SHIFT to 6 (rows 0..19)
+  and for NaN blocks (row 20), built from `e4m3_bits` itself."""
+  with jax.ensure_compile_time_eval():
+    p = jnp.arange(256, dtype=jnp.int32)
+    d = jnp.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=jnp.int32)[:, None]
+    words = np.asarray(e4m3_bits(p & 15, d) | (e4m3_bits(p >> 4, d) << 8))
+  return np.concatenate([words, np.full((1, 256), E4M3_NAN_BITS * 257)]).astype(np.uint16)
+
+
+def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
+  """float8_e4m3fn [R, K] = RNE(e2m1(q) * 2^(e_b - e_ref + 6)), 0x7F (NaN) in NaN blocks: `encode_words` as a
+  lookup of each packed byte in `word_table`, one row per block shift.
+
+  e_ref: int32 reference exponent broadcastable to scales' [R, K/32] (per row or per tensor). On the H200 the
+  arithmetic forms (float conversions E2M1 -> float32 -> E4M3, or `e4m3_bits`'s integer ops) ran this pass at
+  0.4-0.7 TB/s, bound by instructions, and the lookup at about twice that (docs/BENCHMARKS.md).
   """
   r, half_k = codes.shape
   nb = scales.shape[-1]
-  s = scales.astype(jnp.int32)  # [R, K/32]
+  s = scales.astype(jnp.int32)
   shift = s - E8M0_BIAS - e_ref + FP8_HEADROOM  # [R, K/32], <= 6 for finite blocks
-  e2m1 = jax.lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(r, nb, 32).astype(jnp.float32)
-  # Exact product with a normal power of two. Clamping the shift at -126 (and float32 subnormal flushing) only
-  # touches values below 6 * 2^-126, which round to E4M3 zero either way (< 2^-10); the upper clamp only touches
-  # NaN blocks, overwritten below.
-  v = e2m1 * ieee.pow2(jnp.clip(shift, -126, FP8_HEADROOM))[..., None]  # [R, K/32, 32] float32
-  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
-  bits = jnp.where((s == E8M0_NAN)[..., None], jnp.uint8(E4M3_NAN_BITS), bits).reshape(r, 2 * half_k)
-  return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)  # [R, K]
+  row = jnp.where(s == E8M0_NAN, 20, jnp.clip(shift, _ZERO_SHIFT, FP8_HEADROOM) - _ZERO_SHIFT)
+  index = row[..., None] * 256 + codes.reshape(r, nb, 16).astype(jnp.int32)  # [R, K/32, 16]
+  return words_to_values(jnp.asarray(word_table()).reshape(-1)[index], r, 2 * half_k)
 
 
 def mx_to_fp8(q: QTensor) -> Fp8Operand:

@@ -3,6 +3,7 @@ and its error is bounded beyond it."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -73,3 +74,35 @@ def test_mx_to_fp8_zero_rows_nan_blocks_and_tiny_rows():
   e2m1 = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
   exact = e2m1[codes[3]] * np.ldexp(1.0, np.repeat(exps[3], 32).astype(int))
   np.testing.assert_array_equal(np.asarray(op.values[3].astype(jnp.float32), np.float64) * 2.0**-126, exact)
+
+
+def test_e4m3_bits_is_the_rounded_float_conversion_for_every_code_and_shift():
+  """The integer encoder (`e4m3_bits`) against numpy's float8_e4m3fn conversion of the exact value: all 16
+  codes at every shift from far below the subnormal range to the top (d <= 6), signed zeros included."""
+  codes = np.arange(16)
+  d = np.arange(-40, 7)
+  cc, dd = np.meshgrid(codes, d, indexing="ij")
+  e2m1 = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+  exact = e2m1[cc] * np.ldexp(1.0, dd)  # float64: exact
+  want = exact.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+  got = np.asarray(fp8.e4m3_bits(jnp.asarray(cc, jnp.int32), jnp.asarray(dd, jnp.int32)))
+  np.testing.assert_array_equal(got, want.astype(np.int32))
+
+
+def test_lookup_encoding_equals_the_float_definition():
+  """`fp8_values` (a table lookup per packed byte) against the definition computed through float conversions, on
+  random codes and scales spanning 2^20 per row, NaN blocks and both reference kinds (per row, per tensor)."""
+  rng = np.random.default_rng(7)
+  exps = rng.integers(-20, 4, (8, 8)).astype(np.float64)
+  exps[2, 3] = np.nan
+  q = mx_qtensor(rng.integers(0, 16, (8, 256)), exps)
+  s = np.asarray(q.scales, np.int32)
+  e2m1 = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+  codes = np.asarray(jax.lax.bitcast_convert_type(q.codes, jnp.uint8)).astype(np.int32)
+  nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(8, 256)
+  for e_ref in (fp8.row_exponent(q.scales), jnp.full((8,), fp8.tensor_exponent(q.scales))):
+    shift = np.repeat(s - 127 - np.asarray(e_ref)[:, None] + 6, 32, axis=1)
+    want = (e2m1[nibbles] * np.ldexp(1.0, np.minimum(shift, 6))).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    want = np.where(np.repeat(s == 255, 32, axis=1), 0x7F, want)
+    got = np.asarray(jax.lax.bitcast_convert_type(fp8.fp8_values(q, e_ref), jnp.uint8))
+    np.testing.assert_array_equal(got, want)

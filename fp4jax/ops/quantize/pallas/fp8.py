@@ -7,9 +7,7 @@ the kernel streams the packed codes (0.5 byte per element) once, writing the E4M
 That is why the fused quantizer leaves this to a second pass: a tile of x cannot write its E4M3 values before
 every tile of its row has been seen, and re-reading the codes costs a quarter of re-reading x.
 
-The E4M3 byte is built with integer arithmetic: an E2M1 magnitude code m >= 2 is (1 + (m & 1) / 2) *
-2^((m >> 1) - 1), m = 1 is 2^-1; shifted by d = e_b - e_row + 6 its exponent te gives a normal E4M3 byte
-(te + 7) << 3 | mantissa << 2 for te >= -6, else the subnormal count of 2^-9 rounded to nearest-even.
+The E4M3 bytes come from `encoding.encode_words` (integer arithmetic, the XLA encoder's own code).
 Backend: Pallas on GPU through the Triton lowering (see mxfp4.py); interpret mode on CPU.
 """
 
@@ -49,29 +47,9 @@ def _pick_tile(r: int, nb: int, tile: Fp8Tile) -> Fp8Tile:
   return dataclasses.replace(tile, block_r=block_r, block_b=block_b)
 
 
-def _e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
-  """int32 E4M3 bytes of e2m1(code) * 2^d (code with sign bit 3), round-to-nearest-even, d <= 6."""
-  m = code & 7
-  is_norm2 = m >= 2
-  mb = jnp.where(is_norm2, m & 1, 0)  # the E2M1 mantissa bit
-  te = jnp.where(is_norm2, (m >> 1) - 1, -1) + d  # exponent of the shifted value
-  normal = ((te + 7) << 3) | (mb << 2)
-  # Below 2^-6 the value is v / 2^t units of 2^-9 with v = 8 + 4 mb, t = -(te + 6) >= 1; t >= 5 rounds to 0.
-  t = jnp.clip(-(te + 6), 1, 5)
-  v = 8 + 4 * mb
-  sub = (v + (1 << (t - 1)) - 1 + ((v >> t) & 1)) >> t  # round to nearest, ties to even
-  mag = jnp.where(m == 0, 0, jnp.where(te >= -6, normal, sub))
-  return mag | ((code & 8) << 4)
-
-
 def _kernel(codes_ref, scales_ref, erow_ref, out_ref):
   """codes [br, bb, 16] uint8, scales [br, bb] uint8, e_row [br, 1] int32 -> out [br, bb, 16] uint16."""
-  c = codes_ref[...].astype(jnp.int32)  # [br, bb, 16]: one scale block per [i, j, :]
-  s = scales_ref[...].astype(jnp.int32)  # [br, bb]
-  d = (s - encoding.E8M0_BIAS - erow_ref[...] + encoding.FP8_HEADROOM)[..., None]  # [br, bb, 1]
-  both = _e4m3_bits(c & 15, d) | (_e4m3_bits(c >> 4, d) << 8)
-  out_ref[...] = jnp.where((s == encoding.E8M0_NAN)[..., None], encoding.E4M3_NAN_BITS * 257,
-                           both).astype(jnp.uint16)
+  out_ref[...] = encoding.encode_words(codes_ref[...], scales_ref[...], erow_ref[...])
 
 
 @functools.partial(jax.jit, static_argnames=("tile",))
@@ -91,8 +69,7 @@ def _call(codes: jax.Array, scales: jax.Array, tile: Fp8Tile) -> encoding.Fp8Ope
       interpret=tile.interpret,
       name=KERNEL_NAME,
   )(codes.reshape(r, nb, 16), scales, e_row[:, None])
-  values = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(r, 32 * nb), jnp.float8_e4m3fn)  # [R, K]
+  values = encoding.words_to_values(words, r, 32 * nb)  # [R, K]
   row_nan = jnp.any(scales == encoding.E8M0_NAN, axis=-1)
   row_scale = jnp.where(row_nan, jnp.nan, ieee.pow2(e_row - encoding.FP8_HEADROOM))
   return encoding.Fp8Operand(values, row_scale.astype(jnp.float32))
