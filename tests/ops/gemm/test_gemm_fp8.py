@@ -10,7 +10,7 @@ import pytest
 from bench.dot import abs_codes, cublas_fp8_gemms, gemm_targets, random_qtensor
 from fp4jax.numerics import fp8 as fp8_encoding
 from fp4jax.numerics.qtensor import QTensor
-from fp4jax.numerics.reference import quantize
+from fp4jax.numerics.reference import decode_scales, quantize
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
@@ -153,3 +153,20 @@ def test_fp8_formats_are_one_cublaslt_fp8_gemm_on_gpu(fmt_a, fmt_b):
   b = quantize(jax.random.normal(kb, (4096, 4096), jnp.bfloat16), fmt_b)
   hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
   assert gemm_targets(hlo) == ["__cublas$lt$matmul$f8"], gemm_targets(hlo)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_bf16_values_lookup_equals_the_float4_conversion(fmt):
+  """The exact bf16 operands of the NVFP4 path: the packed-byte lookup gives the bits of XLA's float4 ->
+  float32 conversion times the decoded scale, signed zeros, zero blocks and a NaN block included."""
+  x = jax.random.normal(jax.random.key(0), (64, 256)) * jnp.exp2(
+      jax.random.randint(jax.random.key(1), (64, 1), -20, 20).astype(jnp.float32))
+  x = x.at[0, :32].set(0.0).at[2, :32].set(-1e-30).at[1, 3].set(jnp.nan)
+  q = quantize(x, fmt)
+  r, k = q.kmajor_shape
+  b = q.spec.block
+  want = (q.as_float4().astype(jnp.float32).reshape(r, k // b, b)
+          * decode_scales(q.scales, q.spec)[..., None]).reshape(r, k).astype(jnp.bfloat16)
+  got = gemm_fp8._bf16_values(q)
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
+                                np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
