@@ -31,6 +31,20 @@ def compiles_for_gpu() -> bool:
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=false")
 
 
+# XLA options for compiling a state initializer, a program that runs once. XLA:GPU merges the random
+# initializers of same-shaped parameters across layers into a few large kernels (horizontal and multi-output
+# fusion), which compile slowly: the state of a Llama-1B step (AdamW) took 65.9 s to compile and 0.02 s to
+# run; with both passes off 27.7 s (H200, `python -m bench step --preset 1b`, "H200 session of 2026-12-02,
+# 08:04-08:40 UTC" in docs/BENCHMARKS.md). XLA ignores the pass names where it has no such pass (CPU).
+INIT_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "horizontal_loop_fusion,multi_output_fusion"}
+
+
+def compile_initializer(fn, *args, **jit_kwargs) -> jax.stages.Compiled:
+  """`jax.jit(fn, **jit_kwargs)` lowered for `args` and compiled with INIT_COMPILER_OPTIONS: for functions
+  that build state once (same values, a program that compiles faster)."""
+  return jax.jit(fn, **jit_kwargs).lower(*args).compile(compiler_options=INIT_COMPILER_OPTIONS)
+
+
 def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
   """Adds each `--name=value` of `flags` to the XLA_FLAGS environment variable unless XLA_FLAGS already sets
   that name (the user's choice wins); returns the result. XLA reads XLA_FLAGS once, when JAX first starts a

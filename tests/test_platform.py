@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fp4jax import platform
@@ -87,3 +89,17 @@ def test_importing_an_app_starts_no_backend(app, tmp_path):
   subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1],
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert dump.is_dir() and any(dump.iterdir()), f"importing {app} started a JAX backend"
+
+
+def test_compile_initializer_gives_the_jitted_values():
+  """The init compile options change how XLA fuses, never the values (and XLA accepts them here)."""
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    return {"a": jax.random.normal(k1, (64, 32)), "b": jax.random.normal(k2, (64, 32)) * 0.02,
+            "zeros": jnp.zeros((8,))}
+
+  key = jax.random.key(3)
+  compiled = platform.compile_initializer(init, key)
+  assert "xla_disable_hlo_passes" in platform.INIT_COMPILER_OPTIONS
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), compiled(key),
+               jax.jit(init)(key))

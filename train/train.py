@@ -168,6 +168,7 @@ class TrainState:
 
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
+  from fp4jax import platform
   from fp4jax.nn.llama import Llama
   from fp4jax.nn.llama.model import SCAN_POLICIES
   lcfg = llama_config(cfg, vocab_size)
@@ -183,7 +184,7 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
   shardings = nnx.get_named_sharding(abstract, mesh)
   with jax.set_mesh(mesh):
-    state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
   base_key = jax.random.key(cfg.run.seed)
   eval_key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), 0)
 
