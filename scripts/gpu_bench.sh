@@ -60,7 +60,8 @@ for part in "${parts[@]}"; do
       timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 1b --tokens 8x2048 --scan \
         --routes bf16 mxfp4 nvfp4 2>&1 | tail -3 ;;
     step)
-      # A 1B row took tens of seconds beyond its compile (docs/BENCHMARKS.md): one process per route.
+      # One process per route: besides the step, each compiles its state initializer (19-28 s at these sizes,
+      # docs/BENCHMARKS.md "State initialization took longer than compiling the step").
       log "whole train steps: 12 Llama-3-8B blocks and Llama-1B, unrolled bf16 and scanned routes"
       step_8b bf16 unrolled
       for route in ${STEP_ROUTES:-bf16 mxfp4 mxfp4_h32 fp8 nvfp4}; do step_8b "$route" scan; done

@@ -100,7 +100,8 @@ def row_factors(scales: jax.Array, e_row: jax.Array) -> jax.Array:
 
 def e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
   """int32 E4M3 bytes of e2m1(code) * 2^d, rounded to nearest-even (int32 `code` with its sign in bit 3, int32
-  `d` <= 6 broadcastable to it): integer arithmetic only, shared by the XLA encoder and the Pallas one.
+  `d` <= 6 broadcastable to it): integer arithmetic only, the definition behind the Pallas encoder and the
+  lookup table of the XLA one (`word_table`).
 
   An E2M1 magnitude m >= 2 is (1 + (m & 1) / 2) * 2^((m >> 1) - 1), m = 1 is 2^-1. Shifted by d, its exponent
   te gives the normal byte (te + 7) << 3 | mantissa << 2 for te >= -6; below, the value is v / 2^t units of
@@ -119,6 +120,11 @@ def e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
   return mag | ((code & 8) << 4)
 
 
+def _byte_words(packed: jax.Array, d: jax.Array) -> jax.Array:
+  """int32 words of int32 packed bytes at shifts d: the low nibble's E4M3 byte low, the high nibble's high."""
+  return e4m3_bits(packed & 15, d) | (e4m3_bits(packed >> 4, d) << 8)
+
+
 def encode_words(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
   """uint16 [..., 16] words of the E4M3 encoding of packed codes [..., 16] (one scale block per trailing row of
   16 bytes) with uint8 scales [...] against int32 reference exponents e_ref (broadcastable to scales): the low
@@ -127,8 +133,7 @@ def encode_words(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.A
   c = codes.astype(jnp.int32)
   s = scales.astype(jnp.int32)
   d = (s - E8M0_BIAS - e_ref + FP8_HEADROOM)[..., None]  # <= 6 for finite blocks
-  both = e4m3_bits(c & 15, d) | (e4m3_bits(c >> 4, d) << 8)
-  return jnp.where((s == E8M0_NAN)[..., None], E4M3_NAN_BITS * 257, both).astype(jnp.uint16)
+  return jnp.where((s == E8M0_NAN)[..., None], E4M3_NAN_BITS * 257, _byte_words(c, d)).astype(jnp.uint16)
 
 
 def words_to_values(words: jax.Array, r: int, k: int) -> jax.Array:
@@ -139,16 +144,17 @@ def words_to_values(words: jax.Array, r: int, k: int) -> jax.Array:
 
 # Shifts below this give signed zeros only: 6 * 2^-13 = 0.75 * 2^-10 is under half the smallest subnormal 2^-9.
 _ZERO_SHIFT = -13
+_NAN_ROW = FP8_HEADROOM - _ZERO_SHIFT + 1  # the word_table row of NaN blocks, after one row per shift
 
 
 @functools.lru_cache(maxsize=1)
 def word_table() -> np.ndarray:
   """uint16 [21, 256]: `encode_words` of every packed byte at every shift from _ZERO_SHIFT to 6 (rows 0..19)
-  and for NaN blocks (row 20), built from `e4m3_bits` itself."""
+  and for NaN blocks (row _NAN_ROW = 20), built from `e4m3_bits` itself."""
   with jax.ensure_compile_time_eval():
     p = jnp.arange(256, dtype=jnp.int32)
     d = jnp.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=jnp.int32)[:, None]
-    words = np.asarray(e4m3_bits(p & 15, d) | (e4m3_bits(p >> 4, d) << 8))
+    words = np.asarray(_byte_words(p, d))
   return np.concatenate([words, np.full((1, 256), E4M3_NAN_BITS * 257)]).astype(np.uint16)
 
 
@@ -164,7 +170,7 @@ def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.A
   nb = scales.shape[-1]
   s = scales.astype(jnp.int32)
   shift = s - E8M0_BIAS - e_ref + FP8_HEADROOM  # [R, K/32], <= 6 for finite blocks
-  row = jnp.where(s == E8M0_NAN, 20, jnp.clip(shift, _ZERO_SHIFT, FP8_HEADROOM) - _ZERO_SHIFT)
+  row = jnp.where(s == E8M0_NAN, _NAN_ROW, jnp.clip(shift, _ZERO_SHIFT, FP8_HEADROOM) - _ZERO_SHIFT)
   index = row[..., None] * 256 + codes.reshape(r, nb, 16).astype(jnp.int32)  # [R, K/32, 16]
   return words_to_values(jnp.asarray(word_table()).reshape(-1)[index], r, 2 * half_k)
 
