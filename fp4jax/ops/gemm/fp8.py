@@ -98,8 +98,8 @@ def _bf16_values(q: QTensor) -> jax.Array:
   """e2m1(q) * block scale as bf16 [R, K] (exact, see module docstring); the outer factor is left out.
 
   The E2M1 values come from a lookup of each packed byte (`e2m1_pairs`), not XLA's float4 -> float32
-  conversion: the same numbers, with the instruction count that made the table lookup twice as fast as the
-  arithmetic forms of the MXFP4 -> E4M3 re-encode on the H200 (`numerics.fp8._encode_e4m3`).
+  conversion: the same numbers, in the form that ran twice as fast as the arithmetic ones for the MXFP4 ->
+  E4M3 re-encode on the H200 (`numerics.fp8._encode_e4m3`); this pass itself is not yet timed that way.
   """
   r, k = q.kmajor_shape
   b = q.spec.block

@@ -7,7 +7,8 @@ the kernel streams the packed codes (0.5 byte per element) once, writing the E4M
 That is why the fused quantizer leaves this to a second pass: a tile of x cannot write its E4M3 values before
 every tile of its row has been seen, and re-reading the codes costs a quarter of re-reading x.
 
-The E4M3 bytes come from `encoding.encode_words` (integer arithmetic, the XLA encoder's own code).
+The E4M3 bytes come from `encoding.encode_words`: integer arithmetic (`encoding.e4m3_bits`), the definition
+from which the XLA encoder's lookup table is built.
 Backend: Pallas on GPU through the Triton lowering (see mxfp4.py); interpret mode on CPU.
 """
 
