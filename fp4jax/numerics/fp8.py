@@ -98,7 +98,7 @@ def row_factors(scales: jax.Array, e_row: jax.Array) -> jax.Array:
   return jnp.where(row_nan, jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))
 
 
-def e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
+def e4m3_bits(code: jax.Array, d: jax.Array, xp=jnp) -> jax.Array:
   """int32 E4M3 bytes of e2m1(code) * 2^d, rounded to nearest-even (int32 `code` with its sign in bit 3, int32
   `d` <= 6 broadcastable to it): integer arithmetic only, the definition behind the Pallas encoder and the
   lookup table of the XLA one (`word_table`).
@@ -106,23 +106,24 @@ def e4m3_bits(code: jax.Array, d: jax.Array) -> jax.Array:
   An E2M1 magnitude m >= 2 is (1 + (m & 1) / 2) * 2^((m >> 1) - 1), m = 1 is 2^-1. Shifted by d, its exponent
   te gives the normal byte (te + 7) << 3 | mantissa << 2 for te >= -6; below, the value is v / 2^t units of
   the smallest subnormal 2^-9 (v = 8 or 12, t = -(te + 6) >= 1), rounded to nearest-even, and t >= 5 rounds
-  to 0 (v < 2^4), so any d below the range gives a signed zero as the float conversion would.
+  to 0 (v < 2^4), so any d below the range gives a signed zero as the float conversion would. xp: the array
+  module (numpy builds `word_table` outside any JAX trace or mesh).
   """
   m = code & 7
   is_norm2 = m >= 2
-  mb = jnp.where(is_norm2, m & 1, 0)  # the E2M1 mantissa bit
-  te = jnp.where(is_norm2, (m >> 1) - 1, -1) + d  # exponent of the shifted value
+  mb = xp.where(is_norm2, m & 1, 0)  # the E2M1 mantissa bit
+  te = xp.where(is_norm2, (m >> 1) - 1, -1) + d  # exponent of the shifted value
   normal = ((te + 7) << 3) | (mb << 2)
-  t = jnp.clip(-(te + 6), 1, 5)
+  t = xp.clip(-(te + 6), 1, 5)
   v = 8 + 4 * mb
   sub = (v + (1 << (t - 1)) - 1 + ((v >> t) & 1)) >> t  # round to nearest, ties to even
-  mag = jnp.where(m == 0, 0, jnp.where(te >= -6, normal, sub))
+  mag = xp.where(m == 0, 0, xp.where(te >= -6, normal, sub))
   return mag | ((code & 8) << 4)
 
 
-def _byte_words(packed: jax.Array, d: jax.Array) -> jax.Array:
+def _byte_words(packed: jax.Array, d: jax.Array, xp=jnp) -> jax.Array:
   """int32 words of int32 packed bytes at shifts d: the low nibble's E4M3 byte low, the high nibble's high."""
-  return e4m3_bits(packed & 15, d) | (e4m3_bits(packed >> 4, d) << 8)
+  return e4m3_bits(packed & 15, d, xp) | (e4m3_bits(packed >> 4, d, xp) << 8)
 
 
 def encode_words(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
@@ -150,11 +151,11 @@ _NAN_ROW = FP8_HEADROOM - _ZERO_SHIFT + 1  # the word_table row of NaN blocks, a
 @functools.lru_cache(maxsize=1)
 def word_table() -> np.ndarray:
   """uint16 [21, 256]: `encode_words` of every packed byte at every shift from _ZERO_SHIFT to 6 (rows 0..19)
-  and for NaN blocks (row _NAN_ROW = 20), built from `e4m3_bits` itself."""
-  with jax.ensure_compile_time_eval():
-    p = jnp.arange(256, dtype=jnp.int32)
-    d = jnp.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=jnp.int32)[:, None]
-    words = np.asarray(_byte_words(p, d))
+  and for NaN blocks (row _NAN_ROW = 20), built from `e4m3_bits` itself, in numpy: the table is a constant of
+  whatever program is being traced, on any platform or (abstract) mesh."""
+  p = np.arange(256, dtype=np.int32)
+  d = np.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=np.int32)[:, None]
+  words = _byte_words(p, d, np)
   return np.concatenate([words, np.full((1, 256), E4M3_NAN_BITS * 257)]).astype(np.uint16)
 
 

@@ -106,3 +106,17 @@ def test_lookup_encoding_equals_the_float_definition():
     want = np.where(np.repeat(s == 255, 32, axis=1), 0x7F, want)
     got = np.asarray(jax.lax.bitcast_convert_type(fp8.fp8_values(q, e_ref), jnp.uint8))
     np.testing.assert_array_equal(got, want)
+
+
+def test_lookup_encoder_lowers_for_an_abstract_h200():
+  """The table is built in numpy, so a first use inside an abstract-mesh lowering (`bench program`,
+  `bench compile --h200`) works; jnp ops there raised before."""
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh  # pylint: disable=g-import-not-at-top
+  fp8.word_table.cache_clear()
+  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  codes = jax.ShapeDtypeStruct((16, 128), jnp.uint8)
+  scales = jax.ShapeDtypeStruct((16, 8), jnp.uint8)
+  with use_abstract_mesh(mesh):
+    lowered = jax.jit(lambda c, s: fp8._encode_e4m3(c, s, fp8.row_exponent(s)[:, None])).trace(
+        codes, scales).lower(lowering_platforms=("cuda",))
+  assert "gather" in lowered.as_text()
