@@ -18,6 +18,10 @@ work, so their seconds carry over to the GPU machine's host roughly as the CPUs 
 where the XLA compile phase itself goes, on the machine it runs on. Its compile seconds then include the
 profiler's own start and stop.
 
+`--h200 --triton` compiles each distinct Pallas kernel's Triton IR for sm_90 with the `triton` package (not an
+fp4jax dependency: `pip install triton==3.5.1`) and prints the count, total and slowest seconds: a CPU proxy for
+the Triton share of XLA's compile (XLA compiles the same IR with its own Triton build, as `bench triton` says).
+
 Compiles are cold (the persistent cache is off) unless `--warm`.
 """
 
@@ -27,6 +31,7 @@ import argparse
 import collections
 import contextlib
 import glob
+import importlib.util
 import os
 import re
 import tempfile
@@ -52,6 +57,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
   parser.add_argument("--passes", type=int, default=0, metavar="N",
                       help="print the N XLA compile events (passes, backend) that took longest")
+  parser.add_argument("--triton", action="store_true",
+                      help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "
+                           "package and print the seconds (a proxy for that share of XLA's compile)")
 
 
 def kernel_counts(lowered_text: str) -> tuple[int, int]:
@@ -117,11 +125,18 @@ def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]]]:
   return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])]
 
 
-def _phases(fn, args, *, h200: bool, passes: int = 0) -> dict:
+def triton_seconds(modules: list[str]) -> list[float]:
+  """Cold compile seconds of each distinct Triton IR module in `modules` (sm_90, 4 warps: Pallas passes each
+  kernel's own num_warps to XLA outside the IR, so the proxy fixes one), slowest first."""
+  os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+  return sorted((triton.compile_ir(ir)[0] for ir in dict.fromkeys(modules)), reverse=True)
+
+
+def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = False) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
-  the longest XLA compile events)."""
+  the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile)."""
   target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
-  with target:
+  with target as modules:
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
@@ -135,18 +150,27 @@ def _phases(fn, args, *, h200: bool, passes: int = 0) -> dict:
     compile_s = time.perf_counter() - t2
   sites, distinct = kernel_counts(lowered.as_text())
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct,
-          "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes]}
+          "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
+          "triton": triton_seconds(modules) if h200 and triton_compile else None}
 
 
 def _line(name: str, p: dict) -> str:
   compiled = "   n/a" if p["compile"] is None else f"{p['compile']:6.1f}"
   line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct  hlo {p['hlo'] / 1e3:.1f}k")
+  if p.get("triton") is not None:
+    t = p["triton"]
+    line += (f"\n      triton (sm_90, `triton` package): {len(t)} kernels {sum(t):.1f} s, slowest "
+             + ", ".join(f"{s:.1f}" for s in t[:5]) + " s")
   return "\n".join([line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))])
 
 
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
+  if args.triton and not args.h200:
+    raise SystemExit("bench compile: --triton compiles the kernels of an --h200 lowering; add --h200")
+  if args.triton and importlib.util.find_spec("triton") is None:
+    raise SystemExit("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
   if not args.warm:
     platform.enable_compilation_cache(None)
   where = "abstract H200 (lowering only)" if args.h200 else dot.device_info()
@@ -160,7 +184,7 @@ def run(args: argparse.Namespace) -> None:
       name = (f"{args.step} {'scanned' if args.scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
               f"{batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
-                       passes=args.passes)
+                       passes=args.passes, triton_compile=args.triton)
       print(_line(name, phases), flush=True)
     return
   shapes, m = dot.selected_shapes(args)
@@ -169,5 +193,5 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
-        print(_line(f"{sname} {route} {name}", _phases(fn, fargs, h200=args.h200, passes=args.passes)),
-              flush=True)
+        print(_line(f"{sname} {route} {name}", _phases(fn, fargs, h200=args.h200, passes=args.passes,
+                                                        triton_compile=args.triton)), flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import tempfile
@@ -95,6 +96,21 @@ def triton_ir(fn, shape: tuple[int, int]) -> str:
   return modules[-1]
 
 
+def compile_ir(ir: str, num_warps: int = 4):
+  """(seconds, compiled kernel) of Triton IR text compiled for sm_90 by the `triton` package (ImportError where
+  it is missing). The caller sets TRITON_CACHE_DIR to an empty directory for a cold compile."""
+  import triton  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
+    f.write(ir)
+  try:
+    t0 = time.perf_counter()
+    kernel = triton.compile(f.name, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return time.perf_counter() - t0, kernel
+  finally:
+    os.unlink(f.name)
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
   parser.add_argument("--shape", default="4096x4096")
@@ -107,22 +123,14 @@ def run(args: argparse.Namespace) -> None:
     raise SystemExit(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
   shape = tuple(int(d) for d in args.shape.split("x"))
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
-  try:
-    import triton  # pylint: disable=g-import-not-at-top
-    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    triton = None
+  have_triton = importlib.util.find_spec("triton") is not None
+  if not have_triton:
     print("the `triton` package is missing: printing IR sizes only (pip install triton==3.5.1)")
   for name in args.kernels:
     ir = triton_ir(KERNELS[name], shape)
     line = f"{name:20s} IR {ir.count(chr(10)):6d} lines"
-    if triton is not None:
-      with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
-        f.write(ir)
-      t0 = time.perf_counter()
-      kernel = triton.compile(f.name, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.num_warps})
-      seconds = time.perf_counter() - t0
-      os.unlink(f.name)
+    if have_triton:
+      seconds, kernel = compile_ir(ir, args.num_warps)
       ptx = kernel.asm["ptx"]
       count = lambda pattern: len(re.findall(pattern, ptx))
       line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines  st/ld.shared "

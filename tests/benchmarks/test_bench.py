@@ -75,6 +75,8 @@ def test_cli_errors():
     main(["nope"])
   with pytest.raises(SystemExit, match="unknown kernels"):
     main(["triton", "mx nope"])
+  with pytest.raises(SystemExit, match="add --h200"):
+    main(["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"])
 
 
 def test_triton_lowers_every_kernel():
@@ -125,6 +127,17 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
         "--routes", "mxfp4"])
   unfused = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled unfused 2x32")]
   assert len(unfused) == 1 and hlo(unfused[0]) > hlo(lines[1]), (unfused, lines)
+
+
+def test_bench_compile_triton_compiles_each_distinct_kernel(capsys):
+  """`bench compile --h200 --triton`: every distinct kernel of the step compiled for sm_90 (needs the `triton`
+  package, not an fp4jax dependency)."""
+  pytest.importorskip("triton")
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--triton",
+        "--routes", "mxfp4"])
+  out = capsys.readouterr().out
+  n, total = re.search(r"triton \(sm_90, `triton` package\): (\d+) kernels ([\d.]+) s", out).groups()
+  assert n == "9" and float(total) > 0, out
 
 
 _MODULE = """HloModule jit_train_step
