@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.numerics import ieee
-from fp4jax.numerics.formats import E2M1_VALUES
+from fp4jax.numerics.formats import E2M1_SIGNED_VALUES, E2M1_VALUES
 
 # Midpoints between neighbouring E2M1 magnitudes; a tie at midpoint i goes up iff i is odd (to the even code).
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:]))
@@ -54,7 +54,7 @@ def e2m1_encode_sr(v: jax.Array, u: jax.Array) -> jax.Array:
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
   """float32 values of uint8 E2M1 codes."""
-  table = jnp.asarray(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), jnp.float32)
+  table = jnp.asarray(E2M1_SIGNED_VALUES, jnp.float32)
   return table[(codes & jnp.uint8(0xF)).astype(jnp.int32)]
 
 

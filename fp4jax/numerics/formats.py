@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 # E2M1 ("FP4") magnitudes by code 0..7; bit 3 of a code is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_SIGNED_VALUES = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)  # by code 0..15 (code 8 is -0.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0

@@ -31,7 +31,6 @@ a normal float32 (XLA on CPU flushes float32 subnormals to zero).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -101,13 +100,13 @@ def row_factors(scales: jax.Array, e_row: jax.Array) -> jax.Array:
 def e4m3_bits(code: jax.Array, d: jax.Array, xp=jnp) -> jax.Array:
   """int32 E4M3 bytes of e2m1(code) * 2^d, rounded to nearest-even (int32 `code` with its sign in bit 3, int32
   `d` <= 6 broadcastable to it): integer arithmetic only, the definition behind the Pallas encoder and the
-  lookup table of the XLA one (`word_table`).
+  lookup table of the XLA one (`_WORD_TABLE`).
 
   An E2M1 magnitude m >= 2 is (1 + (m & 1) / 2) * 2^((m >> 1) - 1), m = 1 is 2^-1. Shifted by d, its exponent
   te gives the normal byte (te + 7) << 3 | mantissa << 2 for te >= -6; below, the value is v / 2^t units of
   the smallest subnormal 2^-9 (v = 8 or 12, t = -(te + 6) >= 1), rounded to nearest-even, and t >= 5 rounds
   to 0 (v < 2^4), so any d below the range gives a signed zero as the float conversion would. xp: the array
-  module (numpy builds `word_table` outside any JAX trace or mesh).
+  module (numpy builds `_WORD_TABLE` at import, outside any JAX trace or mesh).
   """
   m = code & 7
   is_norm2 = m >= 2
@@ -145,23 +144,25 @@ def words_to_values(words: jax.Array, r: int, k: int) -> jax.Array:
 
 # Shifts below this give signed zeros only: 6 * 2^-13 = 0.75 * 2^-10 is under half the smallest subnormal 2^-9.
 _ZERO_SHIFT = -13
-_NAN_ROW = FP8_HEADROOM - _ZERO_SHIFT + 1  # the word_table row of NaN blocks, after one row per shift
+_NAN_ROW = FP8_HEADROOM - _ZERO_SHIFT + 1  # the _WORD_TABLE row of NaN blocks, after one row per shift
 
 
-@functools.lru_cache(maxsize=1)
-def word_table() -> np.ndarray:
+def _word_table() -> np.ndarray:
   """uint16 [21, 256]: `encode_words` of every packed byte at every shift from _ZERO_SHIFT to 6 (rows 0..19)
-  and for NaN blocks (row _NAN_ROW = 20), built from `e4m3_bits` itself, in numpy: the table is a constant of
-  whatever program is being traced, on any platform or (abstract) mesh."""
-  p = np.arange(256, dtype=np.int32)
-  d = np.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=np.int32)[:, None]
-  words = _byte_words(p, d, np)
+  and for NaN blocks (row _NAN_ROW = 20), built from `e4m3_bits` itself in numpy: a constant of whatever
+  program is being traced, on any platform or (abstract) mesh."""
+  packed = np.arange(256, dtype=np.int32)
+  shifts = np.arange(_ZERO_SHIFT, FP8_HEADROOM + 1, dtype=np.int32)[:, None]
+  words = _byte_words(packed, shifts, np)
   return np.concatenate([words, np.full((1, 256), E4M3_NAN_BITS * 257)]).astype(np.uint16)
+
+
+_WORD_TABLE = _word_table()
 
 
 def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.Array:
   """float8_e4m3fn [R, K] = RNE(e2m1(q) * 2^(e_b - e_ref + 6)), 0x7F (NaN) in NaN blocks: `encode_words` as a
-  lookup of each packed byte in `word_table`, one row per block shift.
+  lookup of each packed byte in `_WORD_TABLE`, one row per block shift.
 
   e_ref: int32 reference exponent broadcastable to scales' [R, K/32] (per row or per tensor). On the H200 the
   arithmetic forms (float conversions E2M1 -> float32 -> E4M3, or `e4m3_bits`'s integer ops) ran this pass at
@@ -173,7 +174,7 @@ def _encode_e4m3(codes: jax.Array, scales: jax.Array, e_ref: jax.Array) -> jax.A
   shift = s - E8M0_BIAS - e_ref + FP8_HEADROOM  # [R, K/32], <= 6 for finite blocks
   row = jnp.where(s == E8M0_NAN, _NAN_ROW, jnp.clip(shift, _ZERO_SHIFT, FP8_HEADROOM) - _ZERO_SHIFT)
   index = row[..., None] * 256 + codes.reshape(r, nb, 16).astype(jnp.int32)  # [R, K/32, 16]
-  return words_to_values(jnp.asarray(word_table()).reshape(-1)[index], r, 2 * half_k)
+  return words_to_values(jnp.asarray(_WORD_TABLE).reshape(-1)[index], r, 2 * half_k)
 
 
 def mx_to_fp8(q: QTensor) -> Fp8Operand:
