@@ -65,6 +65,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
+  parser.add_argument("--top", type=int, default=15, metavar="N",
+                      help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
   parser.add_argument("--out", help="write the rows as JSON here")
   parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")
 
@@ -196,9 +198,10 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
     seconds, unattributed = breakdown.breakdown(attributed)
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
-    row["top_kernels"] = [(category, kernel, s / 3) for category, kernel, s in breakdown.top_kernels(attributed)]
+    row["top_kernels"] = [(category, kernel, s / 3)
+                          for category, kernel, s in breakdown.top_kernels(attributed, args.top)]
     row["top_gemms"] = [(category, signature, kernel, s / 3) for category, signature, kernel, s
-                        in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text))]
+                        in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text), args.top)]
     _progress(route, f"profiled in {time.perf_counter() - t_profile:.0f} s")
   del state
   return row

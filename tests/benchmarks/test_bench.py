@@ -188,13 +188,14 @@ def test_step_flops_per_token_is_6n_plus_attention():
 def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   out = tmp_path / "step.json"
   main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "mxfp4",
-        "--iters", "1", "--profile", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
+        "--iters", "1", "--profile", "--top", "3", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
   rows = json.loads(out.read_text())["rows"]
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
   for r in rows:
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0 and r["mfu"] is None
     assert sum(r["breakdown_s"].values()) > 0
-    assert r["top_kernels"] and sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
+    assert 0 < len(r["top_kernels"]) <= 3 and len(r["top_gemms"]) <= 3
+    assert sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]  # CPU: XLA quantizers
   hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
   assert hlo == ["tiny_2l_2x32_unrolled_bf16.hlo.txt", "tiny_2l_2x32_unrolled_mxfp4.hlo.txt"]
