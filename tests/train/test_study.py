@@ -7,6 +7,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 
 import pytest
 import yaml
@@ -188,3 +189,17 @@ def test_mistakes_are_one_line_exit_2(tmp_path, capsys):
   assert study.main(["--config", str(tmp_path / "plain.yaml")]) == EXIT_USER_ERROR
   assert "has no study: section" in capsys.readouterr().err
   assert not (tmp_path / "results").exists()  # nothing written before the config is right
+
+
+@pytest.mark.parametrize("config", ["configs/study_30m.yaml", "configs/study_125m.yaml"])
+def test_shipped_study_records_are_committable(config):
+  """The records a shipped study writes must not fall under .gitignore (a bare `runs/` pattern once hid
+  results/<study>/runs/*.json, so finished runs could not be committed); its scratch out_dir must."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if not os.path.isdir(os.path.join(root, ".git")):
+    pytest.skip("not a git checkout")
+  loaded = study.load(os.path.join(root, config))
+  record = os.path.relpath(loaded.record_path(loaded.runs[0]), root)
+  scratch = os.path.join(loaded.runs[0].cfg.run.out_dir, "metrics.jsonl")
+  ignored = lambda path: subprocess.run(["git", "-C", root, "check-ignore", "-q", path]).returncode == 0
+  assert not ignored(record) and ignored(scratch)
