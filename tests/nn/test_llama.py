@@ -374,3 +374,18 @@ def test_scan_layers_auto_scans_quantized_blocks_only():
   assert not auto(rules("mxfp4", bf16_first=1, bf16_last=1))  # both tiny blocks in bf16: nothing to gain
   with pytest.raises(ValueError, match="scan_layers takes True, False or 'auto'"):
     Llama(TINY, rules=rules("bf16"), rngs=nnx.Rngs(0), scan_layers="yes")
+
+
+def test_scan_stacks_kernels_in_their_compute_dtype():
+  # The float32 master kernels reach a scanned body already cast to bf16 (what their products read): stacking
+  # them in float32 wrote and held twice the bytes every step. Norm scales stay float32.
+  config = dataclasses.replace(TINY, n_layers=3)
+  model = Llama(config, rules=RouteRules.standard("mxfp4", n_layers=3, bf16_first=0, bf16_last=0),
+                rngs=nnx.Rngs(0), scan_layers=True)
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(_tokens(), key=jax.random.key(0)))(state)
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  stacked = sorted(f"{v.aval.dtype}{list(v.aval.shape)}" for v in scan.invars if v.aval.shape[:1] == (3,))
+  d, f, kv = TINY.dim, TINY.ffn_dim, TINY.n_kv_heads * TINY.dim // TINY.n_heads
+  assert stacked == sorted([f"bfloat16{[3, d, d]}"] * 2 + [f"bfloat16{[3, d, kv]}"] * 2 + [f"bfloat16{[3, d, f]}"] * 2
+                           + [f"bfloat16{[3, f, d]}"] + [f"float32{[3, d]}"] * 2 + ["int32[3]"]), stacked  # + layer ids

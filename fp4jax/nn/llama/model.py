@@ -2,9 +2,10 @@
 
 Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with its own FP4Linear routes
 (first/last N blocks in bf16). `__call__` unrolls them by default. With `scan_layers=True` it runs each run of
-consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the call:
-compile time then grows with the number of distinct runs, not with depth, the parameter tree is unchanged,
-and gradients flow back to each block through the stack; both give bit-identical numbers (the layer index
+consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the call
+(FP4Linear kernels stacked already cast to the bf16 their products read, `_kernel_dtypes`): compile time then
+grows with the number of distinct runs, not with depth, the parameter tree is unchanged, and gradients flow
+back to each block through the stack; both give bit-identical numbers (the layer index
 reaches the per-linear keys as a traced scan input).
 
 What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
@@ -151,7 +152,13 @@ class Llama(nnx.Module):
       return self.layers[group.start](x, positions, key=key)
     graphdef = nnx.graphdef(self.layers[group.start])  # Its own `layer` is overridden by the scan input.
     states = [nnx.state(self.layers[i]) for i in group]
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)  # Each leaf [L, ...]
+    casts = _kernel_dtypes(self.layers[group.start])
+
+    def stack(path, *leaves):  # [L, ...]; an FP4Linear kernel already in the dtype its product reads
+      dtype = casts.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
+      return jnp.stack([leaf.astype(dtype) for leaf in leaves] if dtype else leaves)
+
+    stacked = jax.tree_util.tree_map_with_path(stack, *states)
     layer_ids = jnp.arange(group.start, group.stop, dtype=jnp.int32)  # [L]
 
     @functools.partial(jax.checkpoint, policy=self.scan_policy, prevent_cse=False)  # CSE is safe in a scan
@@ -165,6 +172,17 @@ class Llama(nnx.Module):
     """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4."""
     return {".".join(map(str, path)): module.route.name
             for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
+
+
+def _kernel_dtypes(block: Block) -> dict[tuple[str, ...], Any]:
+  """{state path of each FP4Linear kernel in `block`: the dtype its product casts it to (`FP4Linear.dtype`)}.
+
+  A scanned run stacks each kernel in that dtype rather than as the float32 master weight: the product reads
+  only the cast, so the numbers and gradients are the same (the cast's backward converts the bf16 cotangent,
+  wherever it sits), while the per-step stack writes and keeps half the bytes. Stacking float32 kernels of 12
+  Llama-3-8B blocks cost ~13 ms of a 269 ms mxfp4 step on the H200 (docs/BENCHMARKS.md)."""
+  return {(*map(str, path), "kernel"): module.dtype for path, module in nnx.iter_graph(block)
+          if isinstance(module, FP4Linear)}
 
 
 def _block_signature(block: Block) -> tuple[Any, ...]:
