@@ -127,6 +127,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cache_dir: str, *,
                       workers: int = 0, log=sys.stderr) -> np.ndarray:
   """Tokenizes `files` once (cached on disk) and returns the memory-mapped token array."""
+  if not files:
+    raise UserError("no data files to tokenize; give data.sources at least one file (resolve_sources)")
   tok = tokenizers.get_tokenizer(kind, tokenizer_path)
   key = _cache_key(files, tok)
   os.makedirs(cache_dir, exist_ok=True)

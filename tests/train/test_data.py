@@ -30,6 +30,8 @@ def test_documents_and_sources(tmp_path):
   (tmp_path / "empty.txt").write_text("")
   with pytest.raises(UserError, match=r"data.sources: .*empty.txt is empty; fill it or remove it"):
     data.resolve_sources([str(tmp_path / "empty.txt")])  # was "cannot mmap an empty file" after tokenizing
+  with pytest.raises(UserError, match="no data files to tokenize"):  # was an IndexError
+    data.build_token_cache([], "byte", "", str(tmp_path / "cache"))
   std = data.stdlib_files()
   assert std == sorted(std) and any(p.endswith("/os.py") for p in std)
   assert not any("-packages" in p for p in std)
