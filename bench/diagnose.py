@@ -1,11 +1,13 @@
-"""`python -m bench diagnose`: route diagnostics on a random-init Llama's linears or on synthetic stress inputs.
+"""`python -m bench diagnose`: route diagnostics on a Llama's linears (random init, or a trained run with `--run`)
+or on synthetic stress inputs.
 
-For each input (a captured linear of `--preset`, or a stress case with `--stress`) and each route, runs
-`fp4jax.diagnostics.operand_report`: per operand role the relative squared quantization error, the zero-code and
+For each input (a captured linear of `--preset` or of `--run`'s model, or a stress case with `--stress`) and each
+route, runs `fp4jax.diagnostics.operand_report`: per operand role the relative squared quantization error, the zero-code and
 clip fractions; per GEMM the cosine to the exact product, the single-sample relative error, the bias of the mean
 over `--samples` keys and what that bias would be for an unbiased estimator (error / sqrt(samples)). Prints a
 table; `--out DIR` also writes diagnose.json and diagnose.png (mean over inputs per route). Numbers describe the
-inputs they were measured on: a random-init model on random tokens, not a trained one.
+inputs they were measured on: by default a random-init model on random tokens; `--run DIR` reads the trained
+model of a `python -m train` run directory and feeds it held-out text of its own data.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--tokens", default="4x64", help="--preset's batch BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--linears", nargs="+", default=list(DEFAULT_LINEARS),
                       help="module paths of the linears to capture, or 'all' (default: %(default)s)")
+  parser.add_argument("--run", metavar="DIR",
+                      help="a trained model instead: a `python -m train` run directory (its config.yaml and newest "
+                           "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCH)")
   parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
   parser.add_argument("--shape", type=int, nargs=3, default=(128, 256, 128), metavar=("M", "K", "N"),
                       help="--stress's linear shape (default: %(default)s)")
@@ -55,6 +60,22 @@ def model_inputs(preset: str, tokens: str, linears: list[str], seed: int) -> dic
   model = Llama(cfg, rules=RouteRules.standard("bf16", n_layers=cfg.n_layers), rngs=nnx.Rngs(seed))
   ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size)
   return capture_linears(model, ids, None, names=None if linears == ["all"] else linears)
+
+
+def run_inputs(run_dir: str, tokens: str, linears: list[str], seed: int) -> tuple[dict[str, diagnostics.GemmInputs],
+                                                                                 str]:
+  """({linear path: (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out text:
+  the first BATCH windows of --tokens' BATCHxSEQ (SEQ is the run's own data.seq_len)."""
+  from fp4jax.nn.diagnostics import capture_linears
+  from train import restore  # The app that wrote the run knows its layout: config.yaml, ckpt/, data.
+
+  trained = restore.load(run_dir, route="bf16", scan_layers=False)  # the trained weights, exact activations
+  batch = int(tokens.split("x")[0])
+  ids = trained.heldout_batch(batch, log=None)
+  inputs = capture_linears(trained.model, ids, jax.random.key(seed), names=None if linears == ["all"] else linears)
+  cfg = trained.config
+  return inputs, (f"run {run_dir} (Llama {cfg.model.preset} at step {trained.step}, run in bf16) on {batch} x "
+                  f"{cfg.data.seq_len} held-out tokens")
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
@@ -106,9 +127,13 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def run(args: argparse.Namespace) -> None:
   """Prints the diagnostics table; writes JSON and a plot under --out."""
+  if args.stress and args.run:
+    raise SystemExit("bench diagnose: --stress and --run are two different inputs; give one")
   if args.stress:
     inputs = diagnostics.stress_cases(*args.shape, seed=args.seed)
     source = f"stress {tuple(args.shape)}"
+  elif args.run:
+    inputs, source = run_inputs(args.run, args.tokens, args.linears, args.seed)
   else:
     inputs = model_inputs(args.preset, args.tokens, args.linears, args.seed)
     source = f"Llama {args.preset} (random init) on {args.tokens} random tokens"

@@ -1,0 +1,71 @@
+"""A trained model back from a `python -m train` run directory, for tools that inspect one (`python -m bench
+diagnose --run DIR`): the run's own config.yaml, its newest intact checkpoint, and held-out batches of its data.
+
+A run directory is what `run.out_dir` names (in compare mode, each route's `out_dir/<route>/`): `python -m
+train` writes config.yaml there before the first step and checkpoints under ckpt/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, TextIO
+
+import numpy as np
+
+from train import checkpoint, data
+from train import config as config_lib
+from train import train
+from train.errors import UserError
+
+
+@dataclasses.dataclass
+class TrainedRun:
+  """`model`: the run's Llama (an nnx.Module) at checkpoint `step`; `config`: the run's settings."""
+  model: Any
+  config: config_lib.Config
+  step: int
+  run_dir: str
+
+  def heldout_batch(self, batch_size: int, *, log: TextIO | None = sys.stderr) -> np.ndarray:
+    """int32 [batch_size, seq_len + 1]: the first `batch_size` windows of the run's held-out tokens (tokenized,
+    or read from the token cache), text its evaluation read and its training did not."""
+    cfg = self.config
+    _, eval_tokens, _ = data.load_splits(cfg.data, log=log)
+    (batch,) = data.eval_windows(eval_tokens, cfg.data.seq_len, batch_size, 1)
+    return np.asarray(batch, np.int32)
+
+
+def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | None = None,
+         log: TextIO = sys.stderr) -> TrainedRun:
+  """The model of `run_dir` at its newest intact checkpoint, built from the run's config.yaml.
+
+  route / scan_layers: build the model with this route (every block; the parameters are the same whatever the
+  route) or this `model.scan_layers` instead of the run's; None keeps the run's. Diagnostics take route "bf16"
+  (exact activations and gradients to quantize) and scan_layers False (`capture_linears` probes unrolled
+  blocks). Raises UserError when `run_dir` holds no config.yaml or no checkpoint (a run with run.ckpt_every = 0
+  saves one at its last step only)."""
+  path = os.path.join(run_dir, "config.yaml")
+  if not os.path.isfile(path):
+    raise UserError(f"{run_dir} is not a run directory of python -m train (no config.yaml there); in compare mode "
+                    f"each route has its own, <run.out_dir>/<route>/")
+  cfg = config_lib.from_dict(config_lib.read_yaml(path))
+  if route is not None:
+    cfg = config_lib.replace(cfg, route=route, rules={"bf16_first": 0, "bf16_last": 0, "extra": ()})
+  if scan_layers is not None:
+    cfg = config_lib.replace(cfg, model={"scan_layers": scan_layers})
+  ckpt_dir = os.path.join(run_dir, "ckpt")
+  if not checkpoint.saved_steps(ckpt_dir):
+    raise UserError(f"{run_dir} has no checkpoint under ckpt/: the run has not saved one yet (run.ckpt_every, or "
+                    f"its last step)")
+  tok = train.preflight(cfg)
+  from flax import nnx  # pylint: disable=g-import-not-at-top  # after the checks: they need no Flax
+  ts = train.init_train_state(cfg, tok.vocab_size, train.check_mesh(cfg))
+  ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
+  try:
+    ts.state, _, step = ckpt.restore(ts.state)
+  finally:
+    ckpt.close()
+  model, _ = nnx.merge(ts.graphdef, ts.state)
+  return TrainedRun(model, cfg, step, run_dir)
