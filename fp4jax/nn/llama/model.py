@@ -179,8 +179,8 @@ def _kernel_dtypes(block: Block) -> dict[tuple[str, ...], Any]:
 
   A scanned run stacks each kernel in that dtype rather than as the float32 master weight: the product reads
   only the cast, so the numbers and gradients are the same (the cast's backward converts the bf16 cotangent,
-  wherever it sits), while the per-step stack writes and keeps half the bytes. Stacking float32 kernels of 12
-  Llama-3-8B blocks cost ~13 ms of a 269 ms mxfp4 step on the H200 (docs/BENCHMARKS.md)."""
+  wherever it sits), while the stack, kept for the backward, holds half the bytes. On the H200 (12 Llama-3-8B
+  blocks, mxfp4) that lowered peak memory by 3.8 GiB at the same step time (docs/BENCHMARKS.md)."""
   return {(*map(str, path), "kernel"): module.dtype for path, module in nnx.iter_graph(block)
           if isinstance(module, FP4Linear)}
 
