@@ -2,12 +2,13 @@
 or on synthetic stress inputs.
 
 For each input (a captured linear of `--preset` or of `--run`'s model, or a stress case with `--stress`) and each
-route, runs `fp4jax.diagnostics.operand_report`: per operand role the relative squared quantization error, the zero-code and
-clip fractions; per GEMM the cosine to the exact product, the single-sample relative error, the bias of the mean
-over `--samples` keys and what that bias would be for an unbiased estimator (error / sqrt(samples)). Prints a
-table; `--out DIR` also writes diagnose.json and diagnose.png (mean over inputs per route). Numbers describe the
-inputs they were measured on: by default a random-init model on random tokens; `--run DIR` reads the trained
-model of a `python -m train` run directory and feeds it held-out text of its own data.
+route, runs `fp4jax.diagnostics.operand_report`: per operand role the relative squared quantization error, the
+zero-code and clip fractions; per GEMM the cosine to the exact product, the single-sample relative error, the
+bias of the mean over `--samples` keys and what that bias would be for an unbiased estimator (error /
+sqrt(samples)). Prints a table; `--out DIR` also writes diagnose.json and diagnose.png (mean over inputs per
+route). Numbers describe the inputs they were measured on: by default a random-init model on random tokens;
+`--run DIR` reads the trained model of a `python -m train` run directory and feeds it held-out text of its own
+data.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ def model_inputs(preset: str, tokens: str, linears: list[str], seed: int) -> dic
   return capture_linears(model, ids, None, names=None if linears == ["all"] else linears)
 
 
-def run_inputs(run_dir: str, tokens: str, linears: list[str], seed: int) -> tuple[dict[str, diagnostics.GemmInputs],
-                                                                                 str]:
-  """({linear path: (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out text:
+def run_inputs(run_dir: str, tokens: str, linears: list[str], seed: int) -> tuple[dict, str]:
+  """({linear path: GemmInputs (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out text:
   the first BATCH windows of --tokens' BATCHxSEQ (SEQ is the run's own data.seq_len)."""
   from fp4jax.nn.diagnostics import capture_linears
   from train import restore  # The app that wrote the run knows its layout: config.yaml, ckpt/, data.

@@ -13,6 +13,7 @@ import sys
 from typing import Any, TextIO
 
 import numpy as np
+from flax import nnx
 
 from train import checkpoint, data
 from train import config as config_lib
@@ -60,7 +61,6 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
     raise UserError(f"{run_dir} has no checkpoint under ckpt/: the run has not saved one yet (run.ckpt_every, or "
                     f"its last step)")
   tok = train.preflight(cfg)
-  from flax import nnx  # pylint: disable=g-import-not-at-top  # after the checks: they need no Flax
   ts = train.init_train_state(cfg, tok.vocab_size, train.check_mesh(cfg))
   ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
   try:
