@@ -8,7 +8,9 @@
 The step is `python -m train`'s: next-token cross-entropy, `nnx.value_and_grad`, AdamW, the state donated;
 bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
 are uniform random ids (the step's speed does not depend on their values). `--layers` keeps a preset's layer
-shapes with fewer layers (`--preset llama3_8b --layers 8`: Llama-3-8B blocks on one GPU).
+shapes with fewer layers (`--preset llama3_8b --layers 8`: Llama-3-8B blocks on one GPU). Besides fp4jax's
+routes, `--routes flax_fp8` runs the ecosystem's FP8 peer: Flax's own FP8 op with its delayed-scaling state on
+every block linear (`bench.flax_fp8`; linears unfused).
 
 Columns:
   compile  seconds of lowering + compiling the step (cold unless the persistent cache holds it: `python -m
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bench import breakdown, dot
+from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, platform
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
@@ -56,7 +58,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
   parser.add_argument("--layers", type=int, help="keep the preset's layer shapes with this many layers")
   parser.add_argument("--tokens", default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4_h32", "nvfp4"])
+  parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
+                      help="fp4jax routes, or flax_fp8 (Flax's FP8 op: module docstring); default: %(default)s")
   parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
   parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
@@ -81,15 +84,18 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
+  flax = route == flax_fp8.NAME  # Flax's FP8 op on bf16 linears, with its delayed-scaling state
   overrides = {"n_layers": layers} if layers else {}
-  cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention, fuse_linears=fuse_linears,
-                           **overrides)
-  rules = RouteRules.standard(route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
+  cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention,
+                           fuse_linears=fuse_linears and not flax, **overrides)
+  rules = RouteRules.standard("bf16" if flax else route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
   tx = optax.adamw(1e-4)
 
   def create():
     model = Llama(cfg, rules=rules, rngs=nnx.Rngs(0), impl=impl, dtype=jnp.bfloat16, scan_layers=scan,
                   scan_policy=SCAN_POLICIES[scan_saves])
+    if flax:
+      flax_fp8.convert(model)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
@@ -101,7 +107,14 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
 
   def train_step(state, tokens, i):
     model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, jax.random.fold_in(base_key, i))
+    key = jax.random.fold_in(base_key, i)
+    if flax:  # the FP8 state's "gradients" are its next values: written back, not optimized
+      wrt = nnx.DiffState(0, (nnx.Param, flax_fp8.Fp8Meta))
+      loss, grads = nnx.value_and_grad(loss_fn, argnums=wrt)(model, tokens, key)
+      grads, fp8_state = flax_fp8.split_grads(grads)
+      nnx.update(model, fp8_state)
+    else:
+      loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, key)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
@@ -138,7 +151,7 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
       scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
          "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention,
-         "fused_linears": not args.unfused_linears}
+         "fused_linears": cfg.fuse_linears}
   t0 = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(
       abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()

@@ -1,5 +1,6 @@
 """The benchmark app runs end to end on CPU (tiny shapes, interpret mode) and parses what it must."""
 
+import dataclasses
 import json
 import os
 import re
@@ -8,7 +9,7 @@ import jax
 import pytest
 
 from bench import compile as compile_bench
-from bench import breakdown, dot, program, quantize, step, triton
+from bench import breakdown, dot, flax_fp8, program, quantize, step, triton
 from bench.__main__ import main
 from fp4jax import platform
 
@@ -202,6 +203,50 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
+
+
+def test_flax_fp8_baseline_keeps_delayed_scaling_state(tmp_path):
+  # Flax's FP8 op in the step: its scales and amax histories are written back each step (not optimized), the
+  # parameters are trained, and the second step scales x by the first step's amax / 448 (E4M3's max).
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  step_fn, create, _, tokens_spec, cfg = step.llama_step("tiny", flax_fp8.NAME, batch=2, seq=32)
+  assert not cfg.fuse_linears
+  state = create()
+  tokens = jax.random.randint(jax.random.key(1), tokens_spec.shape, 0, cfg.vocab_size)
+  jitted = jax.jit(step_fn)
+  states = [state]
+  for i in range(2):
+    state, loss = jitted(state, tokens, i)
+    states.append(state)
+    assert np.isfinite(float(loss))
+  flat = [dict(nnx.to_flat_state(s[0])) for s in states]
+  q = ("layers", 0, "attn", "q")
+  value = lambda k, name: np.asarray(flat[k][(*q, name)][...])
+  assert type(flat[0][(*q, "input_scale")]).__name__ == "Fp8Meta"
+  assert value(0, "input_amax_history").max() == 0 < value(1, "input_amax_history")[0]
+  np.testing.assert_allclose(value(2, "input_scale"), value(1, "input_amax_history").max() / 448.0, rtol=1e-6)
+  assert not np.array_equal(value(0, "kernel"), value(2, "kernel"))
+  # The optimizer state holds Params only: the FP8 state is no optimizer's business.
+  assert not any("amax" in str(path) for path, _ in nnx.to_flat_state(state[1]))
+  out = tmp_path / "step.json"
+  main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16",
+        flax_fp8.NAME, "--iters", "1", "--scan", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["route"], r["fused_linears"]) for r in rows] == [("bf16", True), (flax_fp8.NAME, False)]
+  assert rows[1]["tokens_per_s"] > 0
+
+
+def test_flax_fp8_convert_refuses_fused_or_quantized_linears():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
+  tiny = LlamaConfig.preset("tiny")
+  for fuse, route, match in ((True, "bf16", "needs unfused linears"), (False, "mxfp4", "replaces bf16 products")):
+    model = Llama(dataclasses.replace(tiny, fuse_linears=fuse), rngs=nnx.Rngs(0),
+                  rules=RouteRules.standard(route, n_layers=tiny.n_layers, bf16_first=0, bf16_last=0))
+    with pytest.raises(ValueError, match=match):
+      flax_fp8.convert(model)
 
 
 def test_bench_step_scanned_with_a_save_policy(tmp_path, capsys):
