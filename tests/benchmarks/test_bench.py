@@ -237,6 +237,16 @@ def test_flax_fp8_baseline_keeps_delayed_scaling_state(tmp_path):
   assert rows[1]["tokens_per_s"] > 0
 
 
+@pytest.mark.gpu
+def test_gpu_flax_fp8_step_runs_cublaslt_fp8_gemms():
+  # The flax_fp8 row times FP8 GEMMs only if XLA rewrites Flax's float8 dots (written to bf16) to cuBLASLt's:
+  # three per block linear (forward, dgrad, wgrad) in an unrolled step.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  step_fn, _, abstract, tokens_spec, cfg = step.llama_step("tiny", flax_fp8.NAME, batch=4, seq=64)
+  hlo = jax.jit(step_fn).lower(abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
+  assert dot.gemm_targets(hlo).count("__cublas$lt$matmul$f8") == 3 * 7 * cfg.n_layers, dot.gemm_targets(hlo)
+
+
 def test_flax_fp8_convert_refuses_fused_or_quantized_linears():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
