@@ -23,7 +23,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fp4jax.numerics import fp8 as encoding
-from fp4jax.numerics import ieee
 from fp4jax.numerics.qtensor import QTensor
 
 KERNEL_NAME = "fp4jax_mxfp4_to_fp8"
@@ -71,9 +70,7 @@ def _call(codes: jax.Array, scales: jax.Array, tile: Fp8Tile) -> encoding.Fp8Ope
       name=KERNEL_NAME,
   )(codes.reshape(r, nb, 16), scales, e_row[:, None])
   values = encoding.words_to_values(words, r, 32 * nb)  # [R, K]
-  row_nan = jnp.any(scales == encoding.E8M0_NAN, axis=-1)
-  row_scale = jnp.where(row_nan, jnp.nan, ieee.pow2(e_row - encoding.FP8_HEADROOM))
-  return encoding.Fp8Operand(values, row_scale.astype(jnp.float32))
+  return encoding.Fp8Operand(values, encoding.row_factors(scales, e_row))
 
 
 def mx_to_fp8(q: QTensor, *, tile: Fp8Tile | None = None, interpret: bool = False) -> encoding.Fp8Operand:
