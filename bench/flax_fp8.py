@@ -57,13 +57,14 @@ def convert(model: nnx.Module) -> int:
   Needs a bf16 model with unfused linears (`LlamaConfig.fuse_linears=False`): raises ValueError otherwise."""
   converted = 0
   for path, module in nnx.iter_graph(model.layers):
+    where = ".".join(map(str, ("layers", *path)))
     if getattr(module, "fused", False):
-      raise ValueError(f"{NAME} needs unfused linears (LlamaConfig.fuse_linears=False): layers.{path} fuses its "
+      raise ValueError(f"{NAME} needs unfused linears (LlamaConfig.fuse_linears=False): {where} fuses its "
                        f"products through fp4_dot")
     if not isinstance(module, FP4Linear):
       continue
     if module.route.name != "bf16":
-      raise ValueError(f"{NAME} replaces bf16 products; layers.{'.'.join(map(str, path))} runs {module.route.name}")
+      raise ValueError(f"{NAME} replaces bf16 products; {where} runs {module.route.name}")
     module.__class__ = FlaxFp8Linear
     for name in _SCALES:
       setattr(module, name, Fp8Meta(jnp.ones((1,), jnp.float32)))

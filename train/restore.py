@@ -27,7 +27,6 @@ class TrainedRun:
   model: Any
   config: config_lib.Config
   step: int
-  run_dir: str
 
   def heldout_batch(self, batch_size: int, *, log: TextIO | None = sys.stderr) -> np.ndarray:
     """int32 [batch_size, seq_len + 1]: the first `batch_size` windows of the run's held-out tokens (tokenized,
@@ -68,4 +67,4 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   finally:
     ckpt.close()
   model, _ = nnx.merge(ts.graphdef, ts.state)
-  return TrainedRun(model, cfg, step, run_dir)
+  return TrainedRun(model, cfg, step)
