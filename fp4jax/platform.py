@@ -21,6 +21,11 @@ def compiles_for_gpu() -> bool:
   return jax.default_backend() == "gpu" or (device is not None and device.platform == "gpu")
 
 
+def _usable_cpus() -> int:
+  """CPUs this process may run on (its affinity mask where the OS has one, else all of them)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # XLA flags the apps (train, bench) start with on a GPU (docs/BENCHMARKS.md has the measurements):
 #  * Triton GEMM autotuning cost ~45 s per fp4_dot forward + backward on the H200 for the same GEMM speed as
 #    cuBLAS ("Compile time").
@@ -28,7 +33,13 @@ def compiles_for_gpu() -> bool:
 #    block's forward loop, a GEMM whose output is both used and saved for the backward (a stacked residual)
 #    was cloned into such a fusion: o, gate and up ran twice per layer (12 Llama-3-8B blocks scanned in bf16:
 #    0.82x the unrolled step with it, 0.92x without; "H200 session of 2026-12-02, 05:02-05:39 UTC").
-DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=false")
+#  * Compile parallelism: one thread per CPU this process may use for XLA's LLVM -> PTX -> cubin work, most of
+#    a train step's compile (Llama-30M nvfp4: 12.7 of 14.7 s in PTX -> CUBIN events, summed over threads). On
+#    the H200's 16-core host the first steps compiled 0.9-1.9 s faster (bf16 4.0 -> 3.1 s, mxfp4 11.0 -> 9.1 s,
+#    nvfp4 16.4 -> 15.3 s, quartet2 35.4 -> 34.3 s) at the same step time ("H200 session of 2026-12-02,
+#    13:08-13:36 UTC").
+DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=false",
+                     f"--xla_gpu_force_compilation_parallelism={_usable_cpus()}")
 
 
 # XLA options for compiling a state initializer, a program that runs once. XLA:GPU merges the random
