@@ -58,9 +58,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
   parser.add_argument("--layers", type=int, help="keep the preset's layer shapes with this many layers")
   parser.add_argument("--tokens", default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", "mxfp4", "mxfp4_h32", "nvfp4"],
-                      help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op: module docstring; not yet run on a "
-                           f"GPU, so not a default); default: %(default)s")
+  parser.add_argument("--routes", nargs="+", default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
+                      help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op, `bench.flax_fp8`); "
+                           f"default: %(default)s")
   parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
   parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
