@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -140,10 +141,14 @@ def run(args: argparse.Namespace) -> None:
   print(f"bench diagnose: {source}, {args.samples} samples, {jax.devices()[0].platform}", flush=True)
   key = jax.random.key(args.seed)
   rows = []
-  for name, (x, w, dy) in inputs.items():
+  start = time.perf_counter()
+  for i, (name, (x, w, dy)) in enumerate(inputs.items(), 1):
     for route in args.routes:
       rows += [{"input": name, **row} for row in diagnostics.operand_report(x, w, dy, route, key,
                                                                             samples=args.samples)]
+    # Progress: the first input of each shape compiles every route's quantizers (minutes on a cold GPU host).
+    print(f"  [{i}/{len(inputs)}] {name} {tuple(x.shape)} x {tuple(w.shape)}: {len(args.routes)} routes, "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
   print(table(rows))
   if args.out:
     os.makedirs(args.out, exist_ok=True)

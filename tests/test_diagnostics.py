@@ -133,6 +133,7 @@ def test_cli_tiny_preset(tmp_path, capsys):
         "--linears", "layers.0.attn.q", "--out", str(tmp_path)])
   printed = capsys.readouterr().out
   assert "layers.0.attn.q" in printed and "mxfp4_sr" in printed and "wgrad" in printed
+  assert "[1/1] layers.0.attn.q" in printed  # progress, one line per captured linear
   log = json.loads((tmp_path / "diagnose.json").read_text())
   assert len(log["rows"]) == 2 * 9 and (tmp_path / "diagnose.png").stat().st_size > 0
 
