@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
       rows += [{"input": name, **row} for row in diagnostics.operand_report(x, w, dy, route, key,
                                                                             samples=args.samples)]
     # Progress: the first input of each shape compiles every route's quantizers (minutes on a cold GPU host).
-    print(f"  [{i}/{len(inputs)}] {name} {tuple(x.shape)} x {tuple(w.shape)}: {len(args.routes)} routes, "
+    print(f"  [{i}/{len(inputs)}] {name} {tuple(x.shape)} x {tuple(w.shape)}: {len(args.routes)} route(s), "
           f"{time.perf_counter() - start:.1f} s", flush=True)
   print(table(rows))
   if args.out:
