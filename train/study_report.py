@@ -15,7 +15,8 @@ unrounded), curves.png and gap.png. Statistics, per entry, over its runs whose s
 
 curves.png: per entry, the train-loss curve averaged over its runs at the steps all of them logged (the stored,
 subsampled points), with the min-max range over the runs shaded. gap.png: the gap (%) per entry with its error
-bar, and the bf16 seed spread (+- one sample standard deviation, in %) shaded around zero.
+bar (a hollow marker where there is none), its number of runs under its name, and the bf16 seed spread (+- one
+sample standard deviation, in %) shaded around zero.
 """
 
 from __future__ import annotations
@@ -185,13 +186,19 @@ def plot_gaps(rows: list[dict[str, Any]], baseline: str, path: str) -> None:
   if spread:
     ax.axhspan(-spread, spread, color="0.85", label=f"{baseline} seed spread (± 1 sample std)")
   ax.axhline(0, color="0.4", linewidth=0.8)
-  ax.errorbar(range(len(shown)), [r["gap_pct"] for r in shown],
-              yerr=[r["gap_err_pct"] or 0 for r in shown], fmt="o", capsize=4)
-  ax.set_xticks(range(len(shown)), [r["name"] for r in shown], rotation=20)
+  # An entry with an error bar is filled; one without (fewer than two runs here or in the baseline) is hollow,
+  # so a single run does not read as a precise one.
+  for has_error in (True, False):
+    at = [i for i, r in enumerate(shown) if (r["gap_err_pct"] is not None) == has_error]
+    if at:
+      ax.errorbar(at, [shown[i]["gap_pct"] for i in at], yerr=[shown[i]["gap_err_pct"] for i in at] if has_error else None,
+                  fmt="o", capsize=4, color="C0", mfc="C0" if has_error else "none",
+                  label="± standard error of the gap" if has_error else "no error bar (fewer than 2 runs)")
+  ax.set_xticks(range(len(shown)), [f"{r['name']}\n{r['ok']} run{'s' * (r['ok'] != 1)}" for r in shown],
+                rotation=20)
   ax.set_ylabel(f"held-out loss gap vs {baseline} (%)")
   ax.grid(alpha=0.3, axis="y")
-  if spread:
-    ax.legend()
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
