@@ -198,7 +198,8 @@ def plot_gaps(rows: list[dict[str, Any]], baseline: str, path: str) -> None:
                 rotation=20)
   ax.set_ylabel(f"held-out loss gap vs {baseline} (%)")
   ax.grid(alpha=0.3, axis="y")
-  ax.legend(fontsize=8)
+  if ax.get_legend_handles_labels()[0]:  # nothing to label when only the baseline has runs
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
