@@ -1,6 +1,6 @@
 """Route-quality study: routes x seeds at one token budget, one small JSON record per finished run, then a report.
 
-`python -m train.study --config configs/study_30m.yaml [--set key=value ...] [--only NAME:SEED ...] [--report]`
+`python -m train.study --config configs/study_30m.yaml [--set key=value ...] [--only NAME[:SEED] ...] [--report]`
 
 A study config is a training config (every section as for `python -m train`) plus a `study:` section:
 
@@ -195,12 +195,19 @@ def _seed_counts(value: Any, names: list[str]) -> dict[str, int]:
 
 
 def select(study: Study, only: list[str]) -> list[Run]:
-  """The runs named by --only NAME:SEED arguments (all of them without any)."""
+  """The runs named by --only arguments, NAME:SEED for one run or NAME for every seed of an entry, in the order
+  given (all runs without any)."""
+  if not only:
+    return list(study.runs)
   by_key = {f"{r.name}:{r.seed}": r for r in study.runs}
-  unknown = [o for o in only if o not in by_key]
-  if unknown:
-    raise ConfigError(f"--only {unknown[0]!r} names no run of this study; runs: {list(by_key)}")
-  return [by_key[o] for o in dict.fromkeys(only)] if only else list(study.runs)
+  chosen: dict[str, Run] = {}
+  for o in only:
+    keys = [o] if o in by_key else [k for k, r in by_key.items() if r.name == o]
+    if not keys:
+      raise ConfigError(f"--only {o!r} names no run of this study; runs: {list(by_key)} (or an entry's name for "
+                        f"all its seeds)")
+    chosen.update((k, by_key[k]) for k in keys)
+  return list(chosen.values())
 
 
 def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> list[str]:
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="dotted override, repeatable: --set study.tokens=1e6 --set data.batch_size=32")
   p.add_argument("--only", nargs="+", action="extend", default=[], metavar="NAME:SEED",
-                 help="run only these runs (e.g. --only mxfp4:1): one run per GPU call")
+                 help="run only these runs (e.g. --only mxfp4:1, one run per GPU call; --only mxfp4 for all of "
+                      "an entry's seeds)")
   p.add_argument("--report", action="store_true", help="write the report from the records; train nothing")
   p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/run-directory error too")
   args = p.parse_args(argv)

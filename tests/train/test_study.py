@@ -179,6 +179,16 @@ def test_bad_study_configs(tmp_path, override, match):
     study.load(_study_file(tmp_path), [override])
 
 
+def test_only_selects_runs_by_name_and_seed_or_by_name(tmp_path):
+  s = study.load(_study_file(tmp_path), [])
+  keys = lambda only: [f"{r.name}:{r.seed}" for r in study.select(s, only)]
+  assert keys([]) == ["bf16:0", "bf16:1", "mxfp4_last1:0", "mxfp4_last1:1"]
+  assert keys(["mxfp4_last1:1", "bf16"]) == ["mxfp4_last1:1", "bf16:0", "bf16:1"]  # the order given
+  assert keys(["bf16", "bf16:1"]) == ["bf16:0", "bf16:1"]  # each run once
+  with pytest.raises(ConfigError, match=r"--only 'bf16:x' names no run of this study"):
+    study.select(s, ["bf16:x"])
+
+
 def test_mistakes_are_one_line_exit_2(tmp_path, capsys):
   path = _study_file(tmp_path)
   assert study.main(["--config", path, "--only", "bf16:7"]) == EXIT_USER_ERROR
