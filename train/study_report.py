@@ -29,6 +29,7 @@ import statistics
 from typing import Any
 
 from train import metrics
+from train.errors import UserError
 
 RUNS_DIR = "runs"
 TABLE = "table.md"
@@ -36,12 +37,28 @@ COLUMNS = ("entry", "route", "bf16 blocks", "runs", "tokens", "final train loss"
            "Δ held-out vs {b}", "gap vs {b}", "tok/s")
 
 
+# What every record holds (train.study.record writes more); the report reads these without further checks.
+_REQUIRED = ("name", "seed", "status", "route", "rules", "tokens", "tokens_per_step", "train_loss", "eval_loss",
+             "tokens_per_s", "date", "commit", "device", "curve")
+
+
 def read_records(results: str) -> list[dict[str, Any]]:
-  """Every run record under results/runs, in file-name order."""
+  """Every run record under results/runs, in file-name order. A file that is not a record (a hand edit, a merge
+  conflict in a committed record) raises a UserError naming it: records are written whole (`metrics.write_json`),
+  so it was changed after its run."""
   out = []
   for path in sorted(glob.glob(os.path.join(results, RUNS_DIR, "*.json"))):
-    with open(path) as f:
-      out.append(json.load(f))
+    try:
+      with open(path) as f:
+        rec = json.load(f)
+      problem = None if isinstance(rec, dict) else "not a JSON object"
+      problem = problem or next((f"no {k!r}" for k in _REQUIRED if k not in rec), None)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      problem = f"not valid JSON ({e})"
+    if problem:
+      raise UserError(f"{path} is not a study run record: {problem}. Restore it (git checkout), or delete it to "
+                      f"train that run again")
+    out.append(rec)
   return out
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from train import study, study_report, train
 from train.config import ConfigError
+from train.errors import UserError
 from train.main import EXIT_USER_ERROR
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
@@ -143,6 +144,23 @@ def test_report_counts_diverged_runs_and_needs_two_seeds_for_a_spread(tmp_path):
   assert rows["x"]["gap_pct"] == pytest.approx(100 * (4.4 - 4.1) / 4.1) and rows["x"]["gap_err_pct"] is None
   table = study_report.format_table(list(rows.values()), "bf16")
   assert "| x | nvfp4 | none | 1 (1 diverged) |" in table and "4.4000 ± n/a | +0.3000 | +7.32% ± n/a |" in table
+
+
+def test_a_damaged_record_is_named_not_a_traceback(tmp_path, capsys):
+  # Records are written whole; one changed afterwards (a merge conflict, a hand edit) must be named, not crash.
+  runs = tmp_path / "res" / study_report.RUNS_DIR
+  runs.mkdir(parents=True)
+  good = json.loads(open("results/study_30m/runs/bf16-seed0.json").read())
+  (runs / "bf16-seed0.json").write_text(json.dumps(good))
+  assert [r["seed"] for r in study_report.read_records(str(tmp_path / "res"))] == [0]
+  for text, problem in (('{"name": "bf16", <<<<<<< HEAD', "not valid JSON"), ("[1, 2]", "not a JSON object"),
+                        (json.dumps({k: v for k, v in good.items() if k != "eval_loss"}), "no 'eval_loss'")):
+    (runs / "bf16-seed1.json").write_text(text)
+    with pytest.raises(UserError, match=rf"bf16-seed1.json is not a study run record: {problem}"):
+      study_report.read_records(str(tmp_path / "res"))
+  path = _study_file(tmp_path, results=str(tmp_path / "res"))
+  assert study.main(["--config", path, "--report"]) == EXIT_USER_ERROR
+  assert "delete it to train that run again" in capsys.readouterr().err
 
 
 def test_subsample_keeps_the_ends():
