@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from bench import args as args_lib
 from fp4jax import diagnostics
 from fp4jax import route as route_lib
 
@@ -32,10 +33,10 @@ _COLUMNS = (("rel_sq_error", "relsq_err", ".2e"), ("zero_fraction", "zero", ".4f
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES), help="routes (default: %(default)s)")
-  parser.add_argument("--preset", default="tiny",
+  parser.add_argument("--routes", nargs="+", type=args_lib.route(), default=list(DEFAULT_ROUTES), help="routes (default: %(default)s)")
+  parser.add_argument("--preset", type=args_lib.preset, default="tiny",
                       help="Llama preset, random init on random tokens (default: %(default)s)")
-  parser.add_argument("--tokens", default="4x64", help="--preset's batch BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--tokens", type=args_lib.tokens, default="4x64", help="--preset's batch BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--linears", nargs="+", default=list(DEFAULT_LINEARS),
                       help="module paths of the linears to capture, or 'all' (default: %(default)s)")
   parser.add_argument("--run", metavar="DIR",

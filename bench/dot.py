@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
+from bench import args as args_lib
 from bench import timing
 from fp4jax import route as route_lib
 from fp4jax.numerics import fp8 as fp8_encoding
@@ -328,7 +329,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
   """The options `selected_shapes` reads, and the routes: shared by `dot` and `compile`."""
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
   p.add_argument("--shapes", type=int, nargs="*", help="indices of the shapes to run (default: all)")
-  p.add_argument("--routes", nargs="*", default=list(DEFAULT_ROUTES), help="fp4_dot routes")
+  p.add_argument("--routes", nargs="*", type=args_lib.route(), default=list(DEFAULT_ROUTES), help="fp4_dot routes")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

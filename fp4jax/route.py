@@ -187,4 +187,4 @@ def get(route: str | Route) -> Route:
   try:
     return PRESETS[route]
   except (KeyError, TypeError):
-    raise ValueError(f"unknown route {route!r}; presets: {list(PRESETS)}") from None
+    raise ValueError(f"unknown route {route!r}; routes: {list(PRESETS)}") from None

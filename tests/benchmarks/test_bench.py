@@ -80,6 +80,20 @@ def test_cli_errors():
     main(["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["step", "--routes", "bf16", "fp3"], "argument --routes: unknown route 'fp3'; routes: bf16, "),
+    (["dot", "--routes", "flax_fp8"], "argument --routes: unknown route 'flax_fp8'"),  # a step baseline only
+    (["diagnose", "--preset", "7b"], "argument --preset: unknown Llama preset '7b'; presets: tiny, "),
+    (["compile", "--step", "30m", "--tokens", "8x0"], "argument --tokens: '8x0' is not BATCHxSEQ"),
+    (["step", "--tokens", "8*1024"], "argument --tokens: '8\\*1024' is not BATCHxSEQ"),
+])
+def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    main(argv)
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and re.search(message, err.splitlines()[-1]), err
+
+
 def test_triton_lowers_every_kernel():
   """`python -m bench triton`: every listed kernel lowers to Triton IR (compiled by the `triton` package where
   installed), without a GPU."""

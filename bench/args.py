@@ -1,0 +1,36 @@
+"""Argument types shared by the bench subcommands: a bad route, preset or batch is argparse's one-line usage
+error (exit status 2) before any work, not a traceback from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Callable
+
+from fp4jax import route as route_lib
+from fp4jax.nn.llama.config import PRESETS as LLAMA_PRESETS
+
+
+def route(*extra: str) -> Callable[[str], str]:
+  """A type accepting fp4jax's route names and `extra` names (a subcommand's own baselines)."""
+  known = (*route_lib.names(), *extra)
+
+  def parse(value: str) -> str:
+    if value not in known:
+      raise argparse.ArgumentTypeError(f"unknown route {value!r}; routes: {', '.join(known)}")
+    return value
+  return parse
+
+
+def preset(value: str) -> str:
+  """A Llama preset name (`fp4jax.nn.llama` PRESETS)."""
+  if value not in LLAMA_PRESETS:
+    raise argparse.ArgumentTypeError(f"unknown Llama preset {value!r}; presets: {', '.join(LLAMA_PRESETS)}")
+  return value
+
+
+def tokens(value: str) -> str:
+  """BATCHxSEQ with two positive integers (the string itself: subcommands split it where they use it)."""
+  if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", value):
+    raise argparse.ArgumentTypeError(f"{value!r} is not BATCHxSEQ with two positive integers, e.g. 8x1024")
+  return value
