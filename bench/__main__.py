@@ -8,6 +8,7 @@ import sys
 from bench import compile as compile_bench
 from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
+from train.main import guarded
 
 # name -> (module with add_args(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
   platform.enable_compilation_cache(None if args.compile_cache == "off" else args.compile_cache)
-  return SUBCOMMANDS[args.command][0].run(args) or 0
+  # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.
+  return guarded(f"python -m bench {args.command}", False, lambda: SUBCOMMANDS[args.command][0].run(args) or 0)
 
 
 if __name__ == "__main__":

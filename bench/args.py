@@ -34,3 +34,16 @@ def tokens(value: str) -> str:
   if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", value):
     raise argparse.ArgumentTypeError(f"{value!r} is not BATCHxSEQ with two positive integers, e.g. 8x1024")
   return value
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+  """A type accepting integers >= `low` (a count of steps, layers or samples)."""
+  def parse(value: str) -> int:
+    try:
+      number = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < low:
+      raise argparse.ArgumentTypeError(f"{number} must be >= {low}")
+    return number
+  return parse

@@ -56,7 +56,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--unfused-linears", action="store_true",
                       help="--step: one product per linear (LlamaConfig.fuse_linears=False)")
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
-  parser.add_argument("--passes", type=int, default=0, metavar="N",
+  parser.add_argument("--passes", type=args_lib.int_at_least(0), default=0, metavar="N",
                       help="print the N XLA compile events (passes, backend) that took longest")
   parser.add_argument("--triton", action="store_true",
                       help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "

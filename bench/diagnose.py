@@ -43,9 +43,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="a trained model instead: a `python -m train` run directory (its config.yaml and newest "
                            "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCH)")
   parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
-  parser.add_argument("--shape", type=int, nargs=3, default=(128, 256, 128), metavar=("M", "K", "N"),
+  parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, default=(128, 256, 128), metavar=("M", "K", "N"),
                       help="--stress's linear shape (default: %(default)s)")
-  parser.add_argument("--samples", type=int, default=16, help="keys the GEMM bias is averaged over (default: 16)")
+  parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16, help="keys the GEMM bias is averaged over (default: 16)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=None, help="directory for diagnose.json and diagnose.png")
 

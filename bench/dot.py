@@ -334,8 +334,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 
 def add_args(p: argparse.ArgumentParser) -> None:
   add_shape_args(p)
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--warmup", type=args_lib.int_at_least(0), default=3)
+  p.add_argument("--iters", type=args_lib.int_at_least(1), default=20)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-check", dest="check", action="store_false", help="skip the fp8 vs emulated check")
   p.add_argument("--no-gemm-rows", dest="gemm_rows", action="store_false",

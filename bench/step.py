@@ -57,12 +57,12 @@ PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", type=args_lib.preset, default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
-  parser.add_argument("--layers", type=int, help="keep the preset's layer shapes with this many layers")
+  parser.add_argument("--layers", type=args_lib.int_at_least(1), help="keep the preset's layer shapes with this many layers")
   parser.add_argument("--tokens", type=args_lib.tokens, default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--routes", nargs="+", type=args_lib.route(flax_fp8.NAME), default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
                       help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op, `bench.flax_fp8`); "
                            f"default: %(default)s")
-  parser.add_argument("--iters", type=int, default=10, help="timed steps per route")
+  parser.add_argument("--iters", type=args_lib.int_at_least(1), default=10, help="timed steps per route")
   parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
                       help="what a scanned block keeps for its backward (fp4jax.nn.llama.model.SCAN_POLICIES)")
@@ -70,7 +70,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
-  parser.add_argument("--top", type=int, default=15, metavar="N",
+  parser.add_argument("--top", type=args_lib.int_at_least(1), default=15, metavar="N",
                       help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
   parser.add_argument("--out", help="write the rows as JSON here")
   parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")

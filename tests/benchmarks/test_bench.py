@@ -86,6 +86,8 @@ def test_cli_errors():
     (["diagnose", "--preset", "7b"], "argument --preset: unknown Llama preset '7b'; presets: tiny, "),
     (["compile", "--step", "30m", "--tokens", "8x0"], "argument --tokens: '8x0' is not BATCHxSEQ"),
     (["step", "--tokens", "8*1024"], "argument --tokens: '8\\*1024' is not BATCHxSEQ"),
+    (["step", "--iters", "0"], "argument --iters: 0 must be >= 1"),
+    (["diagnose", "--samples", "two"], "argument --samples: 'two' is not an integer"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_:

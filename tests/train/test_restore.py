@@ -67,3 +67,9 @@ def test_bench_diagnose_reads_a_trained_run(run_dir, capsys):
   assert {(r[1], r[2]) for r in rows} == {(route, kind) for route in ("mxfp4", "nvfp4") for kind in ("operand", "gemm")}
   with pytest.raises(SystemExit, match="--stress and --run"):
     bench_main(["diagnose", "--run", run_dir, "--stress"])
+
+
+def test_bench_diagnose_on_a_directory_that_is_no_run_is_one_line_exit_2(tmp_path, capsys):
+  assert bench_main(["--compile-cache", "off", "diagnose", "--run", str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and err.startswith(f"python -m bench diagnose: error: {tmp_path} is not a run directory")
