@@ -214,6 +214,10 @@ def _fp4_fprop_prequantized_w(route: str, key: jax.Array):
 def selected_shapes(args: argparse.Namespace) -> tuple[tuple, int]:
   """((name, K, N) shapes picked by --small / --shapes, tokens M)."""
   shapes = SMALL_SHAPES if args.small else LLAMA8B_SHAPES
+  unknown = sorted(set(args.shapes or ()) - set(range(len(shapes))))
+  if unknown:
+    raise SystemExit(f"bench: --shapes {unknown[0]} is no shape; the {'--small ' * args.small}shapes are "
+                     + ", ".join(f"{i}: {name} {k}x{n}" for i, (name, k, n) in enumerate(shapes)))
   if args.shapes:
     shapes = tuple(s for i, s in enumerate(shapes) if i in args.shapes)
   return shapes, SMALL_TOKENS if args.small else LLAMA8B_TOKENS

@@ -78,6 +78,8 @@ def test_cli_errors():
     main(["triton", "mx nope"])
   with pytest.raises(SystemExit, match="add --h200"):
     main(["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"])
+  with pytest.raises(SystemExit, match=r"--shapes 3 is no shape; the --small shapes are 0: up"):
+    main(["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"])
 
 
 @pytest.mark.parametrize("argv, message", [
