@@ -47,3 +47,13 @@ def int_at_least(low: int) -> Callable[[str], int]:
       raise argparse.ArgumentTypeError(f"{number} must be >= {low}")
     return number
   return parse
+
+
+def shapes(value: str) -> list[tuple[int, int]]:
+  """A comma-separated list of MxK shapes with positive sizes, as [(M, K), ...]."""
+  out = []
+  for item in value.split(","):
+    if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", item):
+      raise argparse.ArgumentTypeError(f"{item!r} is not MxK with two positive integers, e.g. 16384x4096")
+    out.append(tuple(int(d) for d in item.split("x")))
+  return out

@@ -20,6 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from bench import args as args_lib
 from bench import timing
 from fp4jax import route as route_lib
 from fp4jax.numerics import fp8 as fp8_encoding
@@ -162,7 +163,7 @@ def measure(shapes, variants, log: list, interpret: bool = False) -> list[tuple]
       except Exception as e:  # a variant that fails to compile must not hide the others' numbers
         print(f"{shape} {label}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
         rows.append((f"{shape[0]}x{shape[1]}", f"fused {label}", float("nan"), 0, float("nan"), float("nan"),
-                     float("nan"), "MISMATCH (failed)"))
+                     float("nan"), "FAILED (error above)"))
         continue
       rows.append((f"{shape[0]}x{shape[1]}", f"fused {label}", t, moved, moved / t, moved / t / copy_bw,
                    xla_times[base] / t, ok))
@@ -219,14 +220,15 @@ def _table(rows) -> str:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--shapes", default=",".join(f"{m}x{k}" for m, k in SHAPES), help="comma-separated MxK list")
+  parser.add_argument("--shapes", type=args_lib.shapes, default=",".join(f"{m}x{k}" for m, k in SHAPES),
+                      help="comma-separated MxK list")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant labels to run")
   parser.add_argument("--out", default=None, help="directory for the JSON log and the table")
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
 
 
 def run(args: argparse.Namespace) -> int:
-  shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+  shapes = args.shapes
   wanted = args.variants.split(",")
   unknown = sorted(set(wanted) - set(VARIANTS))
   if unknown:
@@ -243,5 +245,5 @@ def run(args: argparse.Namespace) -> int:
     with open(f"{args.out}/bench_quantize_table.txt", "w") as f:
       f.write(table + "\n")
   print(table)
-  failed = [r for r in rows if r[-1].startswith("MISMATCH")]
+  failed = [r for r in rows if r[-1].startswith(("MISMATCH", "FAILED"))]
   return 1 if failed else 0

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import pallas_call_registration as registration  # pylint: disable=g-direct-jax-src
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from bench import args as args_lib
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax, eden, mxfp4, nvfp4
 
@@ -113,7 +114,7 @@ def compile_ir(ir: str, num_warps: int = 4):
 
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
-  parser.add_argument("--shape", default="4096x4096")
+  parser.add_argument("--shape", type=args_lib.shapes, default="4096x4096", help="MxK of x (default: %(default)s)")
   parser.add_argument("--num-warps", type=int, default=4)
 
 
@@ -121,7 +122,9 @@ def run(args: argparse.Namespace) -> None:
   unknown = sorted(set(args.kernels) - set(KERNELS))
   if unknown:
     raise SystemExit(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
-  shape = tuple(int(d) for d in args.shape.split("x"))
+  if len(args.shape) != 1:
+    raise SystemExit("bench triton: --shape takes one MxK")
+  shape = args.shape[0]
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
   have_triton = importlib.util.find_spec("triton") is not None
   if not have_triton:

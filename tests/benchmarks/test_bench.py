@@ -60,7 +60,7 @@ def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   table = capsys.readouterr().out
   assert rc == 0 and "fused views dY sr|rne" in table and "fused nv dY sr|rne" in table
   assert "fused sr/noclip+fp8" in table and "to_fp8 8x16w4" in table
-  assert "MISMATCH" not in table
+  assert "MISMATCH" not in table and "FAILED" not in table
 
 def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones():
   with pytest.raises(SystemExit, match=r"unknown variants \['nv rne\|rnee'\]"):
@@ -88,6 +88,7 @@ def test_cli_errors():
     (["diagnose", "--preset", "7b"], "argument --preset: unknown Llama preset '7b'; presets: tiny, "),
     (["compile", "--step", "30m", "--tokens", "8x0"], "argument --tokens: '8x0' is not BATCHxSEQ"),
     (["step", "--tokens", "8*1024"], "argument --tokens: '8\\*1024' is not BATCHxSEQ"),
+    (["quantize", "--shapes", "16384x4096,12y3"], "argument --shapes: '12y3' is not MxK"),
     (["step", "--iters", "0"], "argument --iters: 0 must be >= 1"),
     (["diagnose", "--samples", "two"], "argument --samples: 'two' is not an integer"),
 ])
