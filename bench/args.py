@@ -1,5 +1,5 @@
-"""Argument types shared by the bench subcommands: a bad route, preset or batch is argparse's one-line usage
-error (exit status 2) before any work, not a traceback from deep inside a run."""
+"""Argument types shared by the bench subcommands: a bad route, preset, batch, shape or count is argparse's
+one-line usage error (exit status 2) before any work, not a traceback from deep inside a run."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Callable
 
 from fp4jax import route as route_lib
 from fp4jax.nn.llama.config import PRESETS as LLAMA_PRESETS
+
+_PAIR = re.compile(r"[1-9]\d*x[1-9]\d*")  # AxB, two positive integers
 
 
 def route(*extra: str) -> Callable[[str], str]:
@@ -31,7 +33,7 @@ def preset(value: str) -> str:
 
 def tokens(value: str) -> str:
   """BATCHxSEQ with two positive integers (the string itself: subcommands split it where they use it)."""
-  if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", value):
+  if not _PAIR.fullmatch(value):
     raise argparse.ArgumentTypeError(f"{value!r} is not BATCHxSEQ with two positive integers, e.g. 8x1024")
   return value
 
@@ -53,7 +55,7 @@ def shapes(value: str) -> list[tuple[int, int]]:
   """A comma-separated list of MxK shapes with positive sizes, as [(M, K), ...]."""
   out = []
   for item in value.split(","):
-    if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", item):
+    if not _PAIR.fullmatch(item):
       raise argparse.ArgumentTypeError(f"{item!r} is not MxK with two positive integers, e.g. 16384x4096")
     out.append(tuple(int(d) for d in item.split("x")))
   return out
