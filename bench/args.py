@@ -31,11 +31,12 @@ def preset(value: str) -> str:
   return value
 
 
-def tokens(value: str) -> str:
-  """BATCHxSEQ with two positive integers (the string itself: subcommands split it where they use it)."""
+def tokens(value: str) -> tuple[int, int]:
+  """BATCHxSEQ with two positive integers, as (batch, seq)."""
   if not _PAIR.fullmatch(value):
     raise argparse.ArgumentTypeError(f"{value!r} is not BATCHxSEQ with two positive integers, e.g. 8x1024")
-  return value
+  batch, seq = value.split("x")
+  return int(batch), int(seq)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

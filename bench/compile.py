@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
   print(f"bench compile: {where} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
   if args.step:
-    batch, seq = (int(v) for v in args.tokens.split("x"))
+    batch, seq = args.tokens
     for route in args.routes:
       step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan,
                                              fuse_linears=not args.unfused_linears)

@@ -50,7 +50,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", default=None, help="directory for diagnose.json and diagnose.png")
 
 
-def model_inputs(preset: str, tokens: str, linears: list[str], seed: int) -> dict[str, diagnostics.GemmInputs]:
+def model_inputs(preset: str, tokens: tuple[int, int], linears: list[str], seed: int
+                 ) -> dict[str, diagnostics.GemmInputs]:
   """{linear path: (x, w, dy)} of a random-init bf16 Llama of `preset` on uniform random tokens."""
   from flax import nnx  # The model path only: --stress needs no Flax.
 
@@ -59,20 +60,20 @@ def model_inputs(preset: str, tokens: str, linears: list[str], seed: int) -> dic
   from fp4jax.nn.llama import Llama, LlamaConfig
 
   cfg = LlamaConfig.preset(preset)
-  batch, seq = (int(v) for v in tokens.split("x"))
+  batch, seq = tokens
   model = Llama(cfg, rules=RouteRules.standard("bf16", n_layers=cfg.n_layers), rngs=nnx.Rngs(seed))
   ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size)
   return capture_linears(model, ids, None, names=None if linears == ["all"] else linears)
 
 
-def run_inputs(run_dir: str, tokens: str, linears: list[str], seed: int) -> tuple[dict, str]:
+def run_inputs(run_dir: str, tokens: tuple[int, int], linears: list[str], seed: int) -> tuple[dict, str]:
   """({linear path: GemmInputs (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out text:
   the first BATCH windows of --tokens' BATCHxSEQ (SEQ is the run's own data.seq_len)."""
   from fp4jax.nn.diagnostics import capture_linears
   from train import restore  # The app that wrote the run knows its layout: config.yaml, ckpt/, data.
 
   trained = restore.load(run_dir, route="bf16", scan_layers=False)  # the trained weights, exact activations
-  batch = int(tokens.split("x")[0])
+  batch = tokens[0]
   ids = trained.heldout_batch(batch, log=None)
   inputs = capture_linears(trained.model, ids, jax.random.key(seed), names=None if linears == ["all"] else linears)
   cfg = trained.config
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     inputs, source = run_inputs(args.run, args.tokens, args.linears, args.seed)
   else:
     inputs = model_inputs(args.preset, args.tokens, args.linears, args.seed)
-    source = f"Llama {args.preset} (random init) on {args.tokens} random tokens"
+    source = f"Llama {args.preset} (random init) on {args.tokens[0]}x{args.tokens[1]} random tokens"
   print(f"bench diagnose: {source}, {args.samples} samples, {jax.devices()[0].platform}", flush=True)
   key = jax.random.key(args.seed)
   rows = []

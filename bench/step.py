@@ -256,7 +256,7 @@ def _table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> None:
   """Measures each route in turn (an out-of-memory route becomes a row saying so), printing the table after each."""
-  batch, seq = (int(v) for v in args.tokens.split("x"))
+  batch, seq = args.tokens
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
         f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}, "
