@@ -31,12 +31,22 @@ def preset(value: str) -> str:
   return value
 
 
+def _pair(value: str, form: str, example: str) -> tuple[int, int]:
+  """AxB with two positive integers, as (A, B); `form` and `example` name it in the error."""
+  if not _PAIR.fullmatch(value):
+    raise argparse.ArgumentTypeError(f"{value!r} is not {form} with two positive integers, e.g. {example}")
+  a, b = value.split("x")
+  return int(a), int(b)
+
+
 def tokens(value: str) -> tuple[int, int]:
   """BATCHxSEQ with two positive integers, as (batch, seq)."""
-  if not _PAIR.fullmatch(value):
-    raise argparse.ArgumentTypeError(f"{value!r} is not BATCHxSEQ with two positive integers, e.g. 8x1024")
-  batch, seq = value.split("x")
-  return int(batch), int(seq)
+  return _pair(value, "BATCHxSEQ", "8x1024")
+
+
+def shape(value: str) -> tuple[int, int]:
+  """One MxK shape with positive sizes, as (M, K)."""
+  return _pair(value, "MxK", "16384x4096")
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -54,9 +64,4 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 def shapes(value: str) -> list[tuple[int, int]]:
   """A comma-separated list of MxK shapes with positive sizes, as [(M, K), ...]."""
-  out = []
-  for item in value.split(","):
-    if not _PAIR.fullmatch(item):
-      raise argparse.ArgumentTypeError(f"{item!r} is not MxK with two positive integers, e.g. 16384x4096")
-    out.append(tuple(int(d) for d in item.split("x")))
-  return out
+  return [shape(item) for item in value.split(",")]

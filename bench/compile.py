@@ -50,8 +50,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   dot.add_shape_args(parser)
   parser.add_argument("--warm", action="store_true",
                       help="keep the persistent compilation cache on (default: off, every compile is cold)")
-  parser.add_argument("--step", metavar="PRESET", type=args_lib.preset, help="time a whole Llama train step of this preset instead")
-  parser.add_argument("--tokens", type=args_lib.tokens, default="8x512", help="--step's batch: BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--step", metavar="PRESET", type=args_lib.preset,
+                      help="time a whole Llama train step of this preset instead")
+  parser.add_argument("--tokens", type=args_lib.tokens, default="8x512",
+                      help="--step's batch: BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--scan", action="store_true", help="--step: run same-route blocks as one scanned body")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="--step: one product per linear (LlamaConfig.fuse_linears=False)")

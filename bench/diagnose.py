@@ -33,19 +33,23 @@ _COLUMNS = (("rel_sq_error", "relsq_err", ".2e"), ("zero_fraction", "zero", ".4f
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--routes", nargs="+", type=args_lib.route(), default=list(DEFAULT_ROUTES), help="routes (default: %(default)s)")
+  parser.add_argument("--routes", nargs="+", type=args_lib.route(), default=list(DEFAULT_ROUTES),
+                      help="routes (default: %(default)s)")
   parser.add_argument("--preset", type=args_lib.preset, default="tiny",
                       help="Llama preset, random init on random tokens (default: %(default)s)")
-  parser.add_argument("--tokens", type=args_lib.tokens, default="4x64", help="--preset's batch BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--tokens", type=args_lib.tokens, default="4x64",
+                      help="--preset's batch BATCHxSEQ (default: %(default)s)")
   parser.add_argument("--linears", nargs="+", default=list(DEFAULT_LINEARS),
                       help="module paths of the linears to capture, or 'all' (default: %(default)s)")
   parser.add_argument("--run", metavar="DIR",
                       help="a trained model instead: a `python -m train` run directory (its config.yaml and newest "
                            "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCH)")
   parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
-  parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, default=(128, 256, 128), metavar=("M", "K", "N"),
+  parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, default=(128, 256, 128),
+                      metavar=("M", "K", "N"),
                       help="--stress's linear shape (default: %(default)s)")
-  parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16, help="keys the GEMM bias is averaged over (default: 16)")
+  parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16,
+                      help="keys the GEMM bias is averaged over (default: 16)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=None, help="directory for diagnose.json and diagnose.png")
 

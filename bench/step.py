@@ -56,10 +56,14 @@ PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--preset", type=args_lib.preset, default="125m", help="Llama preset (fp4jax.nn.llama PRESETS)")
-  parser.add_argument("--layers", type=args_lib.int_at_least(1), help="keep the preset's layer shapes with this many layers")
-  parser.add_argument("--tokens", type=args_lib.tokens, default="8x1024", help="batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--routes", nargs="+", type=args_lib.route(flax_fp8.NAME), default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
+  parser.add_argument("--preset", type=args_lib.preset, default="125m",
+                      help="Llama preset (fp4jax.nn.llama PRESETS)")
+  parser.add_argument("--layers", type=args_lib.int_at_least(1),
+                      help="keep the preset's layer shapes with this many layers")
+  parser.add_argument("--tokens", type=args_lib.tokens, default="8x1024",
+                      help="batch: BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--routes", nargs="+", type=args_lib.route(flax_fp8.NAME),
+                      default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
                       help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op, `bench.flax_fp8`); "
                            f"default: %(default)s")
   parser.add_argument("--iters", type=args_lib.int_at_least(1), default=10, help="timed steps per route")

@@ -114,7 +114,7 @@ def compile_ir(ir: str, num_warps: int = 4):
 
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
-  parser.add_argument("--shape", type=args_lib.shapes, default="4096x4096", help="MxK of x (default: %(default)s)")
+  parser.add_argument("--shape", type=args_lib.shape, default="4096x4096", help="MxK of x (default: %(default)s)")
   parser.add_argument("--num-warps", type=int, default=4)
 
 
@@ -122,9 +122,7 @@ def run(args: argparse.Namespace) -> None:
   unknown = sorted(set(args.kernels) - set(KERNELS))
   if unknown:
     raise SystemExit(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
-  if len(args.shape) != 1:
-    raise SystemExit("bench triton: --shape takes one MxK")
-  shape = args.shape[0]
+  shape = args.shape
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
   have_triton = importlib.util.find_spec("triton") is not None
   if not have_triton:

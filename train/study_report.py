@@ -208,7 +208,8 @@ def plot_gaps(rows: list[dict[str, Any]], baseline: str, path: str) -> None:
   for has_error in (True, False):
     at = [i for i, r in enumerate(shown) if (r["gap_err_pct"] is not None) == has_error]
     if at:
-      ax.errorbar(at, [shown[i]["gap_pct"] for i in at], yerr=[shown[i]["gap_err_pct"] for i in at] if has_error else None,
+      errors = [shown[i]["gap_err_pct"] for i in at] if has_error else None
+      ax.errorbar(at, [shown[i]["gap_pct"] for i in at], yerr=errors,
                   fmt="o", capsize=4, color="C0", mfc="C0" if has_error else "none",
                   label="± standard error of the gap" if has_error else "no error bar (fewer than 2 runs)")
   ax.set_xticks(range(len(shown)), [f"{r['name']}\n{r['ok']} run{'s' * (r['ok'] != 1)}" for r in shown],
