@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 from typing import Callable, NamedTuple
 
 import jax
@@ -210,9 +211,11 @@ def nv_inv_target(v_max: float, headroom: float) -> np.float32:
   """
   if headroom == 1:
     return np.float32(1 / v_max)
-  want = headroom / v_max * (1 + 2.0**-22)
-  c = np.float32(want)
-  return c if c >= want else np.nextafter(c, np.float32(np.inf))
+  # Compared exactly: NumPy casts a Python float to float32 before comparing it with a float32 (NEP 50), which
+  # made `c >= want` always true and c the nearest float32, one ulp below the bound, for both targets.
+  want = Fraction(headroom) / Fraction(v_max) * (1 + Fraction(1, 2**22))
+  c = np.float32(float(want))
+  return c if Fraction(float(c)) >= want else np.nextafter(c, np.float32(np.inf))
 
 
 def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom: float = 1.0) -> jax.Array:

@@ -1,12 +1,14 @@
 """fp4jax.reference.quantize against an independent numpy implementation, bit for bit, plus its properties."""
 
 import functools
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_ref  # tests/numpy_ref.py: pytest puts tests/ on sys.path
 import pytest
+from seeded import fresh_rng
 
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics import reference as ref
@@ -41,7 +43,7 @@ SHAPE = (128, 128)  # one shape everywhere, so the tests share compiled quantize
 
 def _inputs(shape=SHAPE) -> dict[str, np.ndarray]:
   """Fresh random inputs of several distributions plus edge cases, all float32 of `shape`."""
-  rng = np.random.default_rng()
+  rng = fresh_rng()
   r, c = shape
   normal = rng.standard_normal(shape)
   spread = normal * np.exp2(np.linspace(0, 8, r))[:, None]
@@ -78,23 +80,23 @@ def _bits(q):
   return np.asarray(q.unpacked_codes()), np.asarray(scales)
 
 
-def _assert_matches_numpy(x, fmt, **kw):
+def _assert_matches_numpy(x, fmt, name="", **kw):
   q = _q(x, fmt, **kw)
   codes, scales, outer = numpy_ref.quantize_np(np.asarray(jnp.asarray(x).astype(jnp.float32)), fmt, key=KEY, **kw)
   got_codes, got_scales = _bits(q)
-  np.testing.assert_array_equal(got_scales, scales, err_msg=f"scales {fmt} {kw}")
-  np.testing.assert_array_equal(got_codes, codes, err_msg=f"codes {fmt} {kw}")
+  np.testing.assert_array_equal(got_scales, scales, err_msg=f"scales {fmt} {kw} {name}")
+  np.testing.assert_array_equal(got_codes, codes, err_msg=f"codes {fmt} {kw} {name}")
   if outer is None:
     assert q.outer is None
   else:
-    np.testing.assert_array_equal(np.asarray(q.outer), outer, err_msg=f"outer {fmt} {kw}")
+    np.testing.assert_array_equal(np.asarray(q.outer), outer, err_msg=f"outer {fmt} {kw} {name}")
 
 
 @pytest.mark.parametrize("axis", [0, -1])
 @pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS], ids=CONFIG_IDS)
 def test_matches_numpy(fmt, options, axis):
   for name, x in _inputs().items():
-    _assert_matches_numpy(x, fmt, axis=axis, **options)
+    _assert_matches_numpy(x, fmt, name, axis=axis, **options)
 
 
 @pytest.mark.gpu
@@ -102,9 +104,9 @@ def test_matches_numpy(fmt, options, axis):
 def test_gpu_matches_numpy(fmt, options):
   """Compiled by XLA for the GPU (whose own float32 `/` is approximate there), the same bits as numpy."""
   with jax.default_device(jax.devices("gpu")[0]):
-    for x in _inputs().values():
+    for name, x in _inputs().items():
       for axis in (0, -1):
-        _assert_matches_numpy(x, fmt, axis=axis, **options)
+        _assert_matches_numpy(x, fmt, name, axis=axis, **options)
 
 
 @pytest.mark.parametrize("dtype,fmt,options", [
@@ -119,12 +121,12 @@ def test_low_precision_inputs_match_numpy(dtype, fmt, options):
                                                (2, "nvfp4_tile", {"tile_rows": 5, "rounding": "sr"})],
                          ids=["mx_sr_axis0", "nv46_axis1", "nvtile_sr_axis2"])
 def test_3d_inputs_match_numpy(axis, fmt, options):
-  x = np.random.default_rng().standard_normal((32, 64, 32)).astype(np.float32)
+  x = fresh_rng().standard_normal((32, 64, 32)).astype(np.float32)
   _assert_matches_numpy(x, fmt, axis=axis, **options)
 
 
 def test_matches_numpy_eden_3d():
-  x = np.random.default_rng().standard_normal((2, 256, 3)).astype(np.float32)
+  x = fresh_rng().standard_normal((2, 256, 3)).astype(np.float32)
   _assert_matches_numpy(x, "nvfp4", axis=1, rounding="eden")
 
 
@@ -286,6 +288,18 @@ def _adversarial(fmt: str, seed: int = 0, shape=SHAPE) -> np.ndarray:
   x = x.reshape(shape)
   x[::48, 0] = amax  # the global's and every 48-row tile's amax
   return x
+
+
+@pytest.mark.parametrize("v_max", [6.0, 4.0])
+def test_nv_inv_target_is_the_smallest_float32_above_the_no_clip_bound(v_max):
+  """c >= (17/16 / v_max) (1 + 2^-22) exactly (docs/NUMERICS.md's proof needs the whole margin), and the next
+  float32 down is below it. A float comparison got this wrong once: NumPy compares a float32 with a Python
+  float in float32 (NEP 50), which left c one ulp low."""
+  bound = Fraction(17, 16) / Fraction(v_max) * (1 + Fraction(1, 2**22))
+  c = ref.nv_inv_target(v_max, 17 / 16)
+  assert c.dtype == np.float32
+  assert Fraction(float(c)) >= bound > Fraction(float(np.nextafter(c, np.float32(0))))
+  assert ref.nv_inv_target(v_max, 1.0) == np.float32(1 / v_max)
 
 
 @pytest.mark.parametrize("fmt,tile_2d", NV_SR, ids=NV_SR_IDS)
