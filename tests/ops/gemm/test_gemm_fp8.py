@@ -89,6 +89,19 @@ def test_gemm_nan_rows_and_columns():
   np.testing.assert_allclose(out[~expect_nan], ref[~expect_nan], rtol=1e-6)
 
 
+@pytest.mark.parametrize("e_a,e_b", [((120, 100), (-110,)), ((-100, -120), (110,)), ((125, 100), (-125,))])
+def test_per_row_path_does_not_overflow_on_the_way(e_a, e_b):
+  """Rows of a whose block exponents span more than 14 (so the per-row path runs) against b on the far side of
+  the range: the results are finite and exact, though a's row factor alone takes acc out of float32's range."""
+  k = 64
+  a = mx_qtensor(np.full((len(e_a), k), 7), np.array([[e] * (k // 32) for e in e_a], np.float64))  # all 6
+  b = mx_qtensor(np.full((len(e_b), k), 7), np.array([[e] * (k // 32) for e in e_b], np.float64))
+  assert not bool(fp8_encoding.tensor_span_ok(a))
+  want = dequantized(a).astype(np.float64) @ dequantized(b).astype(np.float64).T  # exact: 36 k 2^(e_a + e_b)
+  out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
+  np.testing.assert_array_equal(out, want.astype(np.float32))
+
+
 def test_supports_and_errors():
   key = jax.random.key(0)
   a = random_qtensor(key, "mxfp4", 4, 64)
