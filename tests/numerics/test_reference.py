@@ -162,6 +162,17 @@ def test_eden_scale_regression(scale, row, col, value):
   _assert_matches_numpy(x, "nvfp4", rounding="eden")
 
 
+@pytest.mark.parametrize("rule", ["ocp", "noclip"])
+def test_clip_fraction_threshold_is_float32_of_6_cf(rule):
+  """Bounded clipping takes E - 1 exactly when the (exact) amax / 2^E is below fp32(6 * clip_fraction), the
+  threshold the kernel and numpy_ref share: an amax on it keeps E, the float32 under it goes one finer."""
+  t = np.float32(6 * 0.87)
+  x = np.zeros((3, 32), np.float32)
+  x[:, 0] = [t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(8))]
+  q = ref.quantize(jnp.asarray(x), "mxfp4", scale_rule=rule, clip_fraction=0.87)
+  np.testing.assert_array_equal(np.asarray(q.scales[:, 0], np.int32) - 127, [0, -1, 0])
+
+
 def test_tile_2d_orientations_agree():
   cases = [(SHAPE, "mxfp4", {}), (SHAPE, "mxfp4", {"clip_fraction": 0.87}), (SHAPE, "nvfp4", {}),
            (SHAPE, "nvfp4", {"rounding": "sr"}), ((64, 96), "mxfp4", {"rounding": "sr"}), ((64, 96), "nvfp4_46", {})]

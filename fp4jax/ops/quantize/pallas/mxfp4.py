@@ -118,7 +118,7 @@ def _block_exponent(amax_bits: jax.Array, cfg: OperandSpec) -> jax.Array:
   if cfg.scale_rule == "noclip":  # ceil(log2(amax / 6)): one up when the mantissa exceeds 1.5's
     coarser = (amax_bits & 0x7FFFFF) > _MANT_1P5
     e = e + coarser.astype(jnp.int32)
-  if cfg.clip_fraction is not None:  # one finer when amax / (6 * 2^e) < clip_fraction (Hu's bounded clipping)
+  if cfg.clip_fraction is not None:  # one finer when amax / 2^e < fp32(6 * clip_fraction) (Hu's bounded clipping)
     m1 = jax.lax.bitcast_convert_type((amax_bits & 0x7FFFFF) | (_E8M0_BIAS << 23), jnp.float32)  # 1.mant
     ratio = m1 * (jnp.where(coarser, 2.0, 4.0) if cfg.scale_rule == "noclip" else 4.0)  # amax / 2^e, exact
     e = e - (ratio < jnp.float32(6.0 * cfg.clip_fraction)).astype(jnp.int32)
