@@ -9,10 +9,8 @@ Conventions (the contract the kernels reproduce):
   * A "scale unit" is what one scale covers: a 1-D block, or a 2-D tile (`tile_2d`).
   * MXFP4: E from the unit amax's float32 exponent bits; "ocp": E = floor(log2 amax) - 2; "noclip": the
     smallest E with amax / 2^E <= 6. E is clamped to [-127, 127]; a zero unit gets scale byte 0 (2^-127) and
-    zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / (6 * 2^E) < clip_fraction,
-    i.e. when the no-clip scale leaves more than that fraction of the E2M1 range unused; exactly, when the
-    (exact) float32 amax / 2^E is below fp32(6 * clip_fraction) (for 0.87 that is 5.2199998, a hair under
-    5.22: an amax ratio of exactly fp32(5.22) keeps E).
+    zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / 2^E < fp32(6 * clip_fraction)
+    (5.2199998 for 0.87): when the no-clip scale leaves more than that fraction of the E2M1 range unused.
   * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max), s_b = e4m3_RN(min(amax_b *
     (S_enc * fp32(1/6)), 448)), outer = fp32(1 / S_enc), enc_b = 1 / fp32(s_b * outer) (`nv_block_encode`),
     q = E2M1(clamp(x * enc_b, +-6)); dequantized = q * s_b * outer.
@@ -213,8 +211,7 @@ def nv_inv_target(v_max: float, headroom: float) -> np.float32:
   """
   if headroom == 1:
     return np.float32(1 / v_max)
-  # Compared exactly: NumPy casts a Python float to float32 before comparing it with a float32 (NEP 50), which
-  # made `c >= want` always true and c the nearest float32, one ulp below the bound, for both targets.
+  # Exact: NumPy 2 compares a float32 with a Python float in float32, which once left c one ulp low.
   want = Fraction(headroom) / Fraction(v_max) * (1 + Fraction(1, 2**22))
   c = np.float32(float(want))
   return c if Fraction(float(c)) >= want else np.nextafter(c, np.float32(np.inf))
