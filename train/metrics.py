@@ -51,10 +51,18 @@ class MetricsLogger:
   """Appends {"step", "kind", "route", ...} records to metrics.jsonl and the same scalars to a TensorBoard event file
   (tensorboard's own writer: its TFRecord framing and protos, no TensorFlow needed)."""
 
-  def __init__(self, out_dir: str, route: str):
+  def __init__(self, out_dir: str, route: str, *, after: int = 0):
+    """Appends to out_dir's metrics.jsonl, first dropping its records past step `after` (a resumed run's
+    checkpoint step: the steps after it run again and log again)."""
     self.route = route
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(self.jsonl_path):
+      with open(self.jsonl_path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after]
+      with open(self.jsonl_path + ".tmp", "w") as f:
+        f.writelines(kept)
+      os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
     self._jsonl = open(self.jsonl_path, "a")
     self._tb = EventFileWriter(os.path.join(out_dir, "tb"))
 
@@ -69,6 +77,26 @@ class MetricsLogger:
   def close(self) -> None:
     self._jsonl.close()
     self._tb.close()
+
+
+# What a run writes into its out_dir besides checkpoints: `set_aside` moves them off before a fresh start.
+RUN_OUTPUTS = ("metrics.jsonl", "tb", "loss.png", "result.json", "config.yaml")
+
+
+def set_aside(out_dir: str, *, log: TextIO) -> str | None:
+  """Moves the outputs of an earlier run that left no checkpoint (`RUN_OUTPUTS`) to out_dir/previous-<time>/,
+  so a fresh start neither appends to its log (read back as one curve) nor deletes it. Returns that folder,
+  or None when there was nothing to move."""
+  found = [name for name in RUN_OUTPUTS if os.path.exists(os.path.join(out_dir, name))]
+  if not found:
+    return None
+  aside = os.path.join(out_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}")
+  os.makedirs(aside)
+  for name in found:
+    os.replace(os.path.join(out_dir, name), os.path.join(aside, name))
+  log.write(f"[train] {out_dir} held outputs of an earlier run without a checkpoint to resume: moved "
+            f"{', '.join(found)} to {aside}\n")
+  return aside
 
 
 def write_json(path: str, obj: Any) -> None:

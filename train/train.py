@@ -235,14 +235,19 @@ class _StepRecorder:
   `record` blocks on the loss array, so the loop calls it for step t only after step t+1 is dispatched (and
   synchronously before an eval or a checkpoint). Throughput counts the wall time from the end of the
   first (compiling) step of this process to the end of the latest one, less the eval/checkpoint pauses.
+  The last `TAIL` losses and the open log window go into each checkpoint (`saved`, `resume`), so a resumed
+  run reports and logs the numbers an uninterrupted one would.
   """
+
+  TAIL = 10  # the table's train loss: the mean of the last TAIL step losses
 
   def __init__(self, cfg: config_lib.Config, label: str, ckpt: checkpoint.Checkpointer,
                log: metrics.MetricsLogger | None, bar: metrics.ProgressBar):
     self.cfg, self.label, self.ckpt, self.log, self.bar = cfg, label, ckpt, log, bar
     self.schedule = lr_schedule(cfg.optim, cfg.run.steps)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    self.losses: dict[int, float] = {}
+    self.losses: dict[int, float] = {}  # the steps this process ran
+    self.tail: list[float] = []  # the last TAIL step losses, restored ones included
     self.rate = 0.0
     self._window: list[float] = []
     self._t_first: float | None = None
@@ -272,6 +277,7 @@ class _StepRecorder:
       self._n_timed += 1
       self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
     self.losses[step] = value
+    self.tail = (self.tail + [value])[-self.TAIL:]
     self._window.append(value)
     total = self.cfg.run.steps
     eta = (total - step) * self.tokens_per_step / self.rate if self.rate else None
@@ -280,6 +286,17 @@ class _StepRecorder:
       self.log.log(step, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
                                    "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
+
+
+  def saved(self) -> dict[str, list[float]]:
+    """What a checkpoint keeps of the losses (JSON, beside the data position)."""
+    return {"loss_tail": self.tail, "loss_window": self._window}
+
+  def resume(self, saved: dict[str, Any]) -> None:
+    """Takes `saved`'s losses back (checkpoints of older versions have none: the first window then starts
+    empty)."""
+    self.tail = [float(v) for v in saved.get("loss_tail", [])]
+    self._window = [float(v) for v in saved.get("loss_window", [])]
 
 
 @contextlib.contextmanager
@@ -328,6 +345,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
             f"to train again)", file=sys.stderr)
     return {**saved, "losses": {}}
   os.makedirs(r.out_dir, exist_ok=True)
+  if lead and not checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt")):  # a fresh start: no log to continue
+    metrics.set_aside(r.out_dir, log=sys.stderr)
   if lead:
     with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
@@ -336,13 +355,14 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
   ts = init_train_state(cfg, vocab_size, mesh)
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
-  start, latest = 0, ckpt.latest_step()
-  if latest is not None:
+  start, data_state = 0, {}
+  if ckpt.latest_step() is not None:
     ts.state, data_state, start = ckpt.restore(ts.state)
     it.restore(data_state)
-  log = metrics.MetricsLogger(r.out_dir, label) if lead else None
+  log = metrics.MetricsLogger(r.out_dir, label, after=start) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
+  rec.resume(data_state)
   eval_loss = compile_s = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   try:
@@ -373,7 +393,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
             raise NonFiniteLossError(
                 f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
                 f"saving it. {last_good(ckpt)}")
-          ckpt.save(done, ts.state, it.state())
+          ckpt.save(done, ts.state, {**it.state(), **rec.saved()})
   finally:
     bar.close()
     ckpt.close()
@@ -382,8 +402,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
     eval_loss = evaluate(ts, eval_batches)
   peak, peak_kind = peak_memory(mesh.devices.flat)
-  tail = [rec.losses[s] for s in sorted(rec.losses)[-10:]]
-  row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(tail)) if tail else None,
+  row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(rec.tail)) if rec.tail else None,
          "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
          "first_step_s": rec.first_step_s, "compile_s": compile_s, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
@@ -396,7 +415,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
 
 RESULT_FILE = "result.json"
 # Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
-# left to check_out_dir (more steps continue the run, fewer cannot).
+# left to check_out_dir (it sets the learning-rate schedule: a checkpoint continues only under its own).
 _RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
                            "progress", "compile_cache"},
                    "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
@@ -429,15 +448,20 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   held = f"{r.out_dir} holds a run checkpointed at step {steps[-1]}"
   if not r.resume:
     raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
-  saved_cfg = os.path.join(r.out_dir, "config.yaml")
+  saved_cfg, saved = os.path.join(r.out_dir, "config.yaml"), {}
   if os.path.exists(saved_cfg):
     with open(saved_cfg) as f:
-      changed = _changed_settings(yaml.safe_load(f) or {}, config_lib.to_dict(cfg))
+      saved = yaml.safe_load(f) or {}
+    changed = _changed_settings(saved, config_lib.to_dict(cfg))
     if changed:
       raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
                       f"settings")
   if steps[-1] > r.steps:
     raise UserError(f"{held}, past run.steps={r.steps}: use another run.out_dir for a shorter run")
+  saved_steps = (saved.get("run") or {}).get("steps", r.steps)
+  if saved_steps != r.steps:  # the learning-rate schedule spans run.steps: resuming would switch schedules
+    raise UserError(f"{held} of a run.steps={saved_steps} learning-rate schedule; run.steps={r.steps} would go on "
+                    f"along another one: use another run.out_dir for a longer run")
   result = os.path.join(r.out_dir, RESULT_FILE)
   if steps[-1] == r.steps and os.path.exists(result):
     with open(result) as f:

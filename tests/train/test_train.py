@@ -59,6 +59,44 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
     train.run(config.replace(cfg, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
 
 
+def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
+  """Interrupted after its step-4 checkpoint with steps 5-6 logged: the resumed run drops those records, logs the
+  3-step window that straddles the checkpoint in full, and reports the same train loss (mean of the last 10
+  steps, restored ones included). A longer run.steps is refused: the learning-rate schedule spans it."""
+  cfg = tiny_cfg(tmp_path, "run.ckpt_every=4", "run.log_every=3")
+  full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  cut = tmp_path / "cut"
+  shutil.copytree(cfg.run.out_dir, cut, ignore=shutil.ignore_patterns("8", "result.json"))
+  with open(cut / "metrics.jsonl", "a") as f:  # a record of the interrupted process past its checkpoint
+    f.write(json.dumps({"step": 7, "kind": "train", "route": "bf16", "loss": 99.0}) + "\n")
+  resumed = train.run(config.replace(cfg, run={"out_dir": str(cut)}), TOKENS, TOKENS[:2000], 257)
+  assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+  assert resumed["train_loss"] == full["train_loss"]
+  untimed = [[{k: v for k, v in r.items() if k != "tokens_per_s"}
+              for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut, cfg.run.out_dir)]
+  assert untimed[0] == untimed[1]
+  shutil.rmtree(cut / "ckpt" / "8")
+  with pytest.raises(UserError, match=r"run.steps=8 learning-rate schedule; run.steps=12 would go on"):
+    train.run(config.replace(cfg, run={"out_dir": str(cut), "steps": 12}), TOKENS, TOKENS[:2000], 257)
+
+
+def test_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, capsys):
+  """A run that left no checkpoint (ckpt_every 0, stopped early) is not continued: its log moves to
+  previous-<time>/ instead of mixing into the new run's curve, and nothing of it is deleted."""
+  cfg = tiny_cfg(tmp_path, "run.steps=3")
+  out = cfg.run.out_dir
+  os.makedirs(out)
+  old = [json.dumps({"step": s, "kind": "train", "route": "bf16", "loss": 9.0}) + "\n" for s in range(1, 7)]
+  with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    f.writelines(old)
+  train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  records = [r for r in metrics.read_jsonl(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"]
+  assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] != 9.0 for r in records)
+  [aside] = [d for d in os.listdir(out) if d.startswith("previous-")]
+  assert open(os.path.join(out, aside, "metrics.jsonl")).readlines() == old
+  assert "moved metrics.jsonl" in capsys.readouterr().err
+
+
 def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
   """Makes train.run's step return a NaN loss at `bad_step` (state untouched); returns the dispatched steps."""
   dispatched = []
