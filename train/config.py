@@ -32,6 +32,13 @@ _BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("cosine", "wsd")
 TOKENIZERS = ("byte", "gpt2", "sentencepiece")
+# The range of each numeric LlamaConfig field (and of its rope_scaling's) that model.overrides may set, checked after
+# the value is converted to the field's type; the model then checks that n_kv_heads | n_heads | dim.
+_MODEL_RULES = {**dict.fromkeys(("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"),
+                                _AT_LEAST_1),
+                **dict.fromkeys(("rope_theta", "norm_eps", "init_std"), _POSITIVE)}
+_ROPE_SCALING_RULES = {**dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor"), _POSITIVE),
+                       "original_max_position": _AT_LEAST_1}
 
 
 def _one_of(choices: typing.Sequence[str]) -> tuple[Any, str]:
@@ -73,10 +80,27 @@ class ModelConfig:
     if unknown:
       raise ConfigError(f"unknown key(s) {['model.overrides.' + k for k in unknown]}; valid keys in "
                         f"model.overrides: {valid}")
+    object.__setattr__(self, "overrides", _model_overrides(self.overrides, LlamaConfig))
     try:  # the model's own checks (dim a multiple of n_heads, ...) now rather than after tokenizing
       LlamaConfig.preset(self.preset, **self.overrides)
     except (TypeError, ValueError) as e:
       raise ConfigError(f"model.overrides={self.overrides}: {e}") from e
+
+
+def _model_overrides(overrides: dict[str, Any], llama_config: type) -> dict[str, Any]:
+  """`overrides` converted to the types of the LlamaConfig fields they name and checked against `_MODEL_RULES`, so
+  that dim=32.0, n_layers=0 or norm_eps=-1 fail here in one line, not inside JAX or as a NaN loss after tokenizing."""
+  hints = typing.get_type_hints(llama_config)
+  try:
+    out = {k: convert(v, hints[k], f"model.overrides.{k}") for k, v in overrides.items()}
+  except ConfigError:
+    raise
+  except ValueError as e:  # Llama3RopeScaling's own check: high_freq_factor > low_freq_factor
+    raise ConfigError(f"model.overrides.rope_scaling={overrides.get('rope_scaling')!r}: {e}") from e
+  _check_counts("model.overrides", types.SimpleNamespace(**out), {k: _MODEL_RULES[k] for k in out if k in _MODEL_RULES})
+  if out.get("rope_scaling") is not None:
+    _check_counts("model.overrides.rope_scaling", out["rope_scaling"], _ROPE_SCALING_RULES)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +237,8 @@ def convert(value: Any, tp: Any, where: str) -> Any:
   ConfigError naming the key `where`."""
   origin = typing.get_origin(tp)
   if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):  # built already: `replace` checks a ModelConfig's converted overrides again
+      return value
     if not isinstance(value, dict):
       raise ConfigError(f"{where}: expected a mapping, got {value!r}")
     return build(tp, value, where)
@@ -227,13 +253,16 @@ def convert(value: Any, tp: Any, where: str) -> Any:
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{where}: expected a list, got {value!r}")
     return tuple(convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-  if origin in (typing.Union, types.UnionType):  # the first member type that takes the value (bool | str)
-    for member in typing.get_args(tp)[:-1]:
+  if origin in (typing.Union, types.UnionType):  # the first member type that takes the value (bool | str); X | None
+    members = [m for m in typing.get_args(tp) if m is not type(None)]  # takes YAML's null (or ~) as None
+    if value is None and len(members) < len(typing.get_args(tp)):
+      return None
+    for member in members[:-1]:
       try:
         return convert(value, member, where)
       except ConfigError:
         pass
-    return convert(value, typing.get_args(tp)[-1], where)
+    return convert(value, members[-1], where)
   if tp is bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
       return value.lower() == "true"

@@ -86,3 +86,58 @@ def test_kernels_section_reaches_every_linear():
     config.load_config(None, ["kernels.quantizer=cuda"])
   with pytest.raises(config.ConfigError, match="kernels.gemm='cublas' must be one of"):
     config.load_config(None, ["kernels.gemm=cublas"])
+
+
+@pytest.mark.parametrize("override, match", [  # each was a crash inside JAX, a NaN loss or a model with no blocks
+    ("dim=32.5", r"model.overrides.dim: expected an int, got 32.5"),
+    ("dim=abc", r"model.overrides.dim: expected an int, got 'abc'"),  # was "not all arguments converted ..."
+    ("n_layers=true", r"model.overrides.n_layers: expected an int, got True"),
+    ("n_layers=0", r"model.overrides.n_layers=0 must be >= 1"),
+    ("n_heads=0", r"model.overrides.n_heads=0 must be >= 1"),  # was a ZeroDivisionError
+    ("n_kv_heads=0", r"model.overrides.n_kv_heads=0 must be >= 1"),
+    ("ffn_dim=-5", r"model.overrides.ffn_dim=-5 must be >= 1"),
+    ("vocab_size=0", r"model.overrides.vocab_size=0 must be >= 1"),
+    ("max_seq_len=0", r"model.overrides.max_seq_len=0 must be >= 1"),
+    ("rope_theta=-1", r"model.overrides.rope_theta=-1.0 must be a finite number > 0"),
+    ("rope_theta=.nan", r"model.overrides.rope_theta=nan must be a finite number > 0"),
+    ("norm_eps=-1", r"model.overrides.norm_eps=-1.0 must be a finite number > 0"),
+    ("init_std=0", r"model.overrides.init_std=0.0 must be a finite number > 0"),
+    ("rope_theta=[1]", r"model.overrides.rope_theta: expected a number, got \[1\]"),
+    ("tie_embeddings=3", r"model.overrides.tie_embeddings: expected true/false, got 3"),
+    ("rope_scaling=3", r"model.overrides.rope_scaling: expected a mapping, got 3"),
+    ("rope_scaling={factor: -2}", r"model.overrides.rope_scaling.factor=-2.0 must be a finite number > 0"),
+    ("rope_scaling={original_max_position: 0}", r"model.overrides.rope_scaling.original_max_position=0 must be >= 1"),
+    ("rope_scaling={low_freq_factor: 5}", r"model.overrides.rope_scaling=\{'low_freq_factor': 5\}: .*must exceed"),
+    ("rope_scaling={factr: 2}", r"unknown key\(s\) \['model.overrides.rope_scaling.factr'\].*'factor'"),
+])
+def test_model_override_errors(override, match):
+  with pytest.raises(config.ConfigError, match=match):
+    config.load_config(None, ["model.overrides." + override])
+
+
+def test_model_overrides_take_the_llama_config_types():
+  """Overrides become the LlamaConfig field types (an integral 32.0 the int 32, as for every int key; a mapping a
+  Llama3RopeScaling), so the model gets the values it expects and config.yaml stores plain ones."""
+  from fp4jax.nn.llama import LlamaConfig
+  from fp4jax.nn.llama.config import Llama3RopeScaling
+  sets = ["dim=32.0", "n_heads=2.0", "norm_eps=1", "rope_scaling={factor: 4}", "attention_impl=null"]
+  cfg = config.load_config(None, ["model.overrides." + s for s in sets])
+  o = cfg.model.overrides
+  assert o["dim"] == 32 and type(o["dim"]) is int and type(o["n_heads"]) is int and type(o["norm_eps"]) is float
+  assert o["rope_scaling"] == Llama3RopeScaling(factor=4.0) and o["attention_impl"] is None
+  assert LlamaConfig.preset(cfg.model.preset, **o).head_dim == 16
+  assert config.to_dict(cfg)["model"]["overrides"]["rope_scaling"]["factor"] == 4.0
+  assert config.replace(cfg, model={"scan_layers": False}).model.overrides == o  # checked again, unchanged
+
+
+def test_model_override_mistake_is_one_cli_line(tmp_path, capsys, monkeypatch):
+  """`python -m train --set model.overrides.rope_theta=-1` is one line and exit status 2 before any data work (it
+  used to tokenize, then train to a NaN loss)."""
+  from train import data
+  from train.main import EXIT_USER_ERROR, main
+  monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("tokenized before the config was checked"))
+  argv = ["--config", "configs/cpu_compare.yaml", "--set", f"run.out_dir={tmp_path / 'run'}", "--set",
+          "model.overrides.rope_theta=-1"]
+  assert main(argv) == EXIT_USER_ERROR
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      "python -m train: error: model.overrides.rope_theta=-1.0 must be a finite number > 0")
