@@ -1,6 +1,6 @@
 """Text corpus -> cached token file -> deterministic, resumable [batch, seq_len + 1] windows.
 
-Sources are files or globs (plain, .gz, .xz) or "stdlib" (the running Python's standard library .py files, a
+Sources are files or globs (plain text, .gz, .xz, .bz2) or "stdlib" (the running Python's standard library .py files, a
 zero-setup corpus). Each source file is split into documents (WikiExtractor `<doc ...>` blocks when present,
 else the whole file), tokenized once by a process pool and stored as a flat uint16/uint32 file with eos after
 every document, keyed by a hash of (tokenizer, file list, sizes, mtimes). Later runs memory-map it.
@@ -11,6 +11,7 @@ windows p*B .. p*B+B-1 of a per-epoch permutation drawn from (seed, epoch), so r
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import glob
 import gzip
@@ -23,6 +24,7 @@ import re
 import sys
 import sysconfig
 import time
+import zlib
 from concurrent import futures
 from typing import Iterator, Sequence
 
@@ -31,7 +33,13 @@ import numpy as np
 from train import tokenizers
 from train.errors import UserError
 
-_OPENERS = {".gz": gzip.open, ".xz": lzma.open}
+_OPENERS = {".gz": gzip.open, ".xz": lzma.open, ".lzma": lzma.open, ".bz2": bz2.open}
+# Compressions and archives read_documents cannot decode: opened as text they would yield replacement characters,
+# and the model would train on that garbage without any error.
+_UNSUPPORTED = frozenset((".zst", ".zstd", ".tzst", ".lz4", ".lz", ".lzo", ".sz", ".snappy", ".br", ".z", ".zip",
+                          ".7z", ".rar", ".tar", ".tgz", ".tbz", ".tbz2", ".txz"))
+# What a damaged compressed source raises while it is read (gzip.BadGzipFile is an OSError).
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
 _DOC_OPEN = re.compile(r"^<doc [^>]*>\s*$", re.M)
 _DOC_CLOSE = re.compile(r"^</doc>\s*$", re.M)
 
@@ -46,8 +54,25 @@ def stdlib_files() -> list[str]:
   return sorted(out)
 
 
+def _opener(path: str):
+  """The function that opens `path` as text, chosen by its extension (any unknown one is plain text).
+
+  A known compression other than .gz/.xz/.lzma/.bz2, or an archive (.zip, .tar, .tar.gz, ...), is a UserError:
+  read as text it would silently train the model on compressed bytes.
+  """
+  root, ext = os.path.splitext(os.path.basename(path).lower())
+  if ext in _UNSUPPORTED or (ext in _OPENERS and root.endswith(".tar")):
+    kind = ".tar" + ext if ext in _OPENERS else ext
+    raise UserError(f"data source {path}: {kind} files are not supported (they would be read as garbage text); "
+                    f"decompress or extract it; sources may be plain text or {', '.join(_OPENERS)}")
+  return _OPENERS.get(ext, open)
+
+
 def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list[str]:
-  """The files of `sources` in order; a source that matches no file, or only empty ones, is a UserError."""
+  """The files of `sources` in order; a source that matches no file, or only empty ones, is a UserError.
+
+  So is a file in a compression or archive format that read_documents cannot decode, before any tokenizing.
+  """
   files: list[str] = []
   for s in sources:
     if s == "stdlib":
@@ -61,15 +86,25 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
     if not any(os.path.getsize(p) for p in found):
       what = found[0] if len(found) == 1 else f"all {len(found)} files of {s!r} (first: {found[0]})"
       raise UserError(f"{where}: {what} is empty; fill it or remove it from {where}")
+    for p in found:
+      _opener(p)
     files.extend(found)
   return files
 
 
 def read_documents(path: str) -> list[str]:
-  """A file's documents: WikiExtractor `<doc>` bodies when present, else the whole file as one."""
-  opener = _OPENERS.get(os.path.splitext(path)[1], open)
-  with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-    text = f.read()
+  """A file's documents: WikiExtractor `<doc>` bodies when present, else the whole file as one.
+
+  A file that cannot be read or decompressed (truncated download, corrupt data) is a UserError naming it: the
+  decompressors' own errors (EOFError, LZMAError, ...) do not say which of many source files is damaged.
+  """
+  opener = _opener(path)
+  try:
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+      text = f.read()
+  except _READ_ERRORS as e:
+    raise UserError(f"cannot read data source {path} ({type(e).__name__}: {' '.join(str(e).splitlines())}); "
+                    f"replace it (a damaged or truncated file?) or remove it from the sources") from e
   if not _DOC_OPEN.search(text):
     return [text] if text else []
   docs = []
@@ -90,6 +125,7 @@ def _init_worker(kind: str, path: str) -> None:
 
 
 def _tokenize_file(path: str) -> np.ndarray:
+  """`path`'s tokens; an unreadable file raises read_documents' UserError, which a pool pickles to the parent."""
   assert _WORKER_TOKENIZER is not None
   return _WORKER_TOKENIZER.encode_docs(read_documents(path))
 
@@ -99,8 +135,10 @@ def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: in
   """Token arrays of `files` in order: in this process for one worker, else from a process pool.
 
   The pool spawns (not forks): the parent may already hold JAX's threads, which fork would copy in a broken
-  state. A crashed worker raises BrokenProcessPool instead of hanging. As with any spawn pool, a calling
-  script needs the `if __name__ == "__main__":` guard (or data.workers=1).
+  state. A crashed worker raises BrokenProcessPool instead of hanging. An exception in a worker (a UserError
+  for a damaged file) is re-raised in the parent as itself when its result is consumed; the files not yet
+  started are then cancelled rather than tokenized for nothing. As with any spawn pool, a calling script needs
+  the `if __name__ == "__main__":` guard (or data.workers=1).
   """
   if workers <= 1:
     _init_worker(kind, tokenizer_path)
@@ -109,7 +147,11 @@ def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: in
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(kind, tokenizer_path)) as pool:
-    yield pool.map(_tokenize_file, files, chunksize=max(1, len(files) // (8 * workers)))
+    try:
+      yield pool.map(_tokenize_file, files, chunksize=max(1, len(files) // (8 * workers)))
+    except BaseException:
+      pool.shutdown(wait=False, cancel_futures=True)
+      raise
 
 
 def _cache_key(files: Sequence[str], tok: tokenizers.Tokenizer) -> str:
@@ -124,6 +166,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
   return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
+def _cache_problem(bin_path: str, meta_path: str) -> str | None:
+  """Why the cache entry whose `meta_path` exists cannot be used (None if it can): a missing or unreadable
+  metadata file, or a `bin_path` that is missing or not the recorded token count long (a cleanup of large files,
+  a partial copy of the cache dir). Memory-mapping such a .bin fails, or would serve a truncated corpus.
+  """
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+    tokens = int(meta["tokens"])
+    expected = tokens * np.dtype(meta["dtype"]).itemsize
+  except (OSError, ValueError, TypeError, KeyError) as e:
+    return f"its metadata {meta_path} is unreadable ({type(e).__name__}: {e})"
+  if not os.path.exists(bin_path):
+    return f"{bin_path} is missing"
+  size = os.path.getsize(bin_path)
+  if size != expected:
+    return f"{bin_path} holds {size:,} bytes, not the {expected:,} of its {tokens:,} recorded tokens"
+  return None
+
+
 def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cache_dir: str, *,
                       workers: int = 0, log=sys.stderr) -> np.ndarray:
   """Tokenizes `files` once (cached on disk) and returns the memory-mapped token array."""
@@ -135,26 +197,37 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   bin_path, meta_path = os.path.join(cache_dir, f"{key}.bin"), os.path.join(cache_dir, f"{key}.json")
   dtype = token_dtype(tok.vocab_size)
   if os.path.exists(meta_path):
-    with open(meta_path) as f:
-      meta = json.load(f)
-    return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+    problem = _cache_problem(bin_path, meta_path)
+    if problem is None:
+      with open(meta_path) as f:
+        meta = json.load(f)
+      return np.memmap(bin_path, dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+    if log is not None:
+      log.write(f"[data] rebuilding the token cache: {problem}\n")
   workers = min(workers or os.cpu_count() or 1, len(files))
   total_bytes = sum(os.path.getsize(f) for f in files)
   t0, n_tokens, done_bytes, shown = time.time(), 0, 0, 0.0
   tmp = f"{bin_path}.tmp{os.getpid()}"
-  with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
-    for i, arr in enumerate(results):
-      out.write(arr.astype(dtype).tobytes())
-      n_tokens += arr.size
-      done_bytes += os.path.getsize(files[i])
-      dt = time.time() - t0
-      if log is not None and (i + 1 == len(files) or (log.isatty() and dt - shown > 0.5)):
-        shown = dt  # refreshed in place on a terminal; a log file gets the final count only
-        log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
-                  f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
-                  f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, "
-                  f"{dt:.1f}s")
-        log.flush()
+  try:
+    with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
+      for i, arr in enumerate(results):
+        out.write(arr.astype(dtype).tobytes())
+        n_tokens += arr.size
+        done_bytes += os.path.getsize(files[i])
+        dt = time.time() - t0
+        if log is not None and (i + 1 == len(files) or (log.isatty() and dt - shown > 0.5)):
+          shown = dt  # refreshed in place on a terminal; a log file gets the final count only
+          log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
+                    f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
+                    f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, "
+                    f"{dt:.1f}s")
+          log.flush()
+  except BaseException:  # a damaged source or Ctrl-C: leave no partial token file behind
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    if log is not None and shown:
+      log.write("\n")  # ends the progress line, so that the error gets a line of its own
+    raise
   if n_tokens == 0:
     os.remove(tmp)
     raise UserError(f"the data files hold no text ({len(files)} file(s), first: {files[0]}); point the sources at "

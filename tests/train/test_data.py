@@ -1,7 +1,11 @@
-"""Data: document parsing (.gz/.xz/WikiExtractor), the token cache, held-out split, resumable iterator."""
+"""Data: document parsing (.gz/.xz/.bz2/WikiExtractor), the token cache, held-out split, resumable iterator."""
 
+import bz2
 import gzip
+import io
 import lzma
+import os
+import re
 
 import numpy as np
 import pytest
@@ -50,6 +54,103 @@ def test_cache_built_once(tmp_path, monkeypatch):
   (tmp_path / "a.txt").write_text("changed\n")  # new size/mtime -> new key -> rebuild
   with pytest.raises(pytest.fail.Exception, match="cache was rebuilt"):
     data.build_token_cache(files, "byte", "", cache, log=None)
+
+
+def test_bz2_and_plain_text_of_any_extension(tmp_path):
+  # .bz2 was read as text: the model trained on b"BZh91AY&SY..." with replacement characters.
+  text = '<doc id="1" title="T">\nbz2 body\n</doc>\n'
+  with bz2.open(tmp_path / "a.txt.bz2", "wt") as f:
+    f.write(text)
+  with lzma.open(tmp_path / "b.lzma", "wt", format=lzma.FORMAT_ALONE) as f:
+    f.write("lzma alone\n")
+  with gzip.open(tmp_path / "C.TXT.GZ", "wt") as f:  # extensions are matched case-insensitively
+    f.write("upper case\n")
+  (tmp_path / "d.md").write_text("markdown\n")
+  (tmp_path / "e").write_text("no extension\n")
+  assert data.read_documents(str(tmp_path / "a.txt.bz2")) == ["bz2 body"]
+  assert data.read_documents(str(tmp_path / "b.lzma")) == ["lzma alone\n"]
+  assert data.read_documents(str(tmp_path / "C.TXT.GZ")) == ["upper case\n"]
+  assert data.read_documents(str(tmp_path / "d.md")) == ["markdown\n"]
+  assert data.read_documents(str(tmp_path / "e")) == ["no extension\n"]
+  assert len(data.resolve_sources([str(tmp_path / "*")])) == 5
+
+
+@pytest.mark.parametrize("name", ["a.txt.zst", "a.ZSTD", "a.lz4", "a.zip", "a.7z", "a.tar", "a.tar.gz", "a.tgz"])
+def test_unsupported_compression_is_refused(tmp_path, name):
+  # These were decoded as text with replacement characters and trained on, with exit status 0.
+  path = tmp_path / name
+  path.write_bytes(b"\x28\xb5\x2f\xfd binary payload")
+  match = rf"data source .*{name}: \.\S+ files are not supported .*plain text or \.gz, \.xz, \.lzma, \.bz2"
+  with pytest.raises(UserError, match=match):
+    data.read_documents(str(path))
+  (tmp_path / "ok.txt").write_text("fine\n")
+  with pytest.raises(UserError, match=match):  # refused when the sources are resolved, before any tokenizing
+    data.resolve_sources([str(tmp_path / "*")])
+
+
+def _damaged(tmp_path, name):
+  """A compressed file cut short, or one with the right extension but not the right format."""
+  payload = ("some text that compresses " * 200).encode()
+  path = tmp_path / name
+  if name.endswith("bad.gz"):
+    path.write_bytes(b"this is not gzip data at all\n")
+    return str(path)
+  compress = {".gz": gzip.compress, ".xz": lzma.compress, ".bz2": bz2.compress}[os.path.splitext(name)[1]]
+  blob = compress(payload)
+  path.write_bytes(blob[:len(blob) // 2])
+  return str(path)
+
+
+@pytest.mark.parametrize("name", ["cut.txt.gz", "cut.xz", "cut.bz2", "bad.gz"])
+def test_damaged_source_names_the_file(tmp_path, name):
+  # Was a bare EOFError / LZMAError / BadGzipFile traceback that did not say which source file is damaged.
+  path = _damaged(tmp_path, name)
+  with pytest.raises(UserError, match=rf"cannot read data source {path} \((EOFError|BadGzipFile|LZMAError|OSError):"
+                                      r".*\); replace it .* or remove it from the sources") as e:
+    data.read_documents(path)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_damaged_source_in_token_cache(tmp_path, workers):
+  # With worker processes the error must reach the parent as the same UserError, and no partial file is left.
+  files = _corpus(tmp_path) + [_damaged(tmp_path, "cut.txt.gz")]
+  cache = tmp_path / "cache"
+  with pytest.raises(UserError, match=rf"cannot read data source {files[-1]} \(EOFError: "):
+    data.build_token_cache(files, "byte", "", str(cache), workers=workers, log=None)
+  assert os.listdir(cache) == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "extend", "bad_meta"])
+def test_damaged_cache_is_rebuilt(tmp_path, damage):
+  # A .bin deleted or cut short while its .json stayed crashed every later run ("mmap length is greater than file
+  # size", FileNotFoundError); a too long one would be silently served.
+  files = _corpus(tmp_path)
+  cache = tmp_path / "cache"
+  good = np.array(data.build_token_cache(files, "byte", "", str(cache), log=None))
+  (bin_path,) = cache.glob("*.bin")
+  meta_path = bin_path.with_suffix(".json")
+  if damage == "truncate":
+    os.truncate(bin_path, 10)
+  elif damage == "delete":
+    bin_path.unlink()
+  elif damage == "extend":
+    with open(bin_path, "ab") as f:
+      f.write(b"\0\0")
+  else:
+    meta_path.write_text('{"tokens": 3')
+  log = io.StringIO()
+  toks = data.build_token_cache(files, "byte", "", str(cache), log=log)
+  np.testing.assert_array_equal(toks, good)
+  why = {"truncate": r"\.bin holds 10 bytes, not the 96 of its 48 recorded tokens", "delete": r"\.bin is missing",
+         "extend": r"\.bin holds 98 bytes, not the 96 of its 48 recorded tokens",
+         "bad_meta": r"its metadata .*\.json is unreadable \(JSONDecodeError: .*\)"}
+  assert re.match(rf"\[data\] rebuilding the token cache: .*{why[damage]}\n\[data\] tokenized 3 files",
+                  log.getvalue()), log.getvalue()
+  assert os.path.getsize(bin_path) == good.nbytes and sorted(os.listdir(cache)) == [bin_path.name, meta_path.name]
+  log = io.StringIO()
+  np.testing.assert_array_equal(data.build_token_cache(files, "byte", "", str(cache), log=log), good)
+  assert log.getvalue() == ""  # the rebuilt entry is used as is
 
 
 def test_split_heldout_at_document_boundary():
