@@ -144,7 +144,7 @@ def _mx_exponent(amax: float, rule: str, clip_fraction) -> int:
       ex -= 1
   if clip_fraction is not None and amax / 2.0**ex < F32(6.0 * clip_fraction):
     ex -= 1
-  return int(np.clip(ex, -127, 127))
+  return int(np.clip(ex, -127, 125))  # 6 * 2^125: the largest block max float32 holds
 
 
 def _units(xk: np.ndarray, block: int, tile_2d: bool, axis: int):

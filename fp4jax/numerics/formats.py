@@ -1,8 +1,8 @@
 """The formats fp4jax knows, as one table: the FP4 formats and the FP8 baseline's.
 
 Every quantizer, kernel and GEMM backend looks a format up here instead of branching on its name.
-docs/NUMERICS.md (and ../shared/docs/NUMERICS.md) hold the formulas; `fp4jax.reference` implements them (the FP8
-formats through `fp4jax.numerics.current_scaling`).
+docs/NUMERICS.md holds the formulas; `fp4jax.numerics.reference` implements them (the FP8 formats through
+`fp4jax.numerics.current_scaling`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_SIGNED_VALUES = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)  # by code 0..15 (code 8 is -0.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+# The largest MXFP4 scale exponent: 6 * 2^125 is the largest block max float32 holds (the no-clip rule would
+# give an amax above 1.5 * 2^127 the scale 2^126, whose codes then dequantize to inf).
+MX_E_MAX = 125
 E5M2_MAX = 57344.0
 
 ScaleKind = Literal["e8m0", "e4m3", "none"]

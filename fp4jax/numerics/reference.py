@@ -8,7 +8,7 @@ Conventions (the contract the kernels reproduce):
   * Powers of two are built by exponent bit arithmetic, never `exp2`/`log2`.
   * A "scale unit" is what one scale covers: a 1-D block, or a 2-D tile (`tile_2d`).
   * MXFP4: E from the unit amax's float32 exponent bits; "ocp": E = floor(log2 amax) - 2; "noclip": the
-    smallest E with amax / 2^E <= 6. E is clamped to [-127, 127]; a zero unit gets scale byte 0 (2^-127) and
+    smallest E with amax / 2^E <= 6. E is clamped to [-127, 125] (`MX_E_MAX`); a zero unit gets byte 0 (2^-127) and
     zero codes. `clip_fraction` (Hu's bounded clipping) takes E - 1 when amax / 2^E < fp32(6 * clip_fraction)
     (5.2199998 for 0.87): when the no-clip scale leaves more than that fraction of the E2M1 range unused.
   * NVFP4 (TE): S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max), s_b = e4m3_RN(min(amax_b *
@@ -54,7 +54,7 @@ import numpy as np
 
 from fp4jax.numerics import current_scaling, ieee, prng
 from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr, e4m3_rn, e4m3_sr
-from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, FormatSpec, get_format
+from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, MX_E_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.spec import EDEN_GROUP, ROUNDINGS, SCALE_RULES, default_scale_rule
 
@@ -157,7 +157,7 @@ def _mx_exponent(amax: jax.Array, cfg: _Cfg) -> jax.Array:
     ratio = m1 * ieee.pow2(biased - 127 - e)  # amax / 2^e, exact
     e = e - (ratio < jnp.float32(E2M1_MAX * cfg.clip_fraction)).astype(jnp.int32)
   # A zero or subnormal amax (biased 0) gets the smallest scale, 2^-127.
-  return jnp.where(biased == 0, -127, jnp.clip(e, -127, 127))
+  return jnp.where(biased == 0, -127, jnp.clip(e, -127, MX_E_MAX))
 
 
 def _quantize_mx(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
@@ -385,7 +385,7 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
 
   Args:
     x: floating-point array (bf16 / f16 / f32), any rank; `x.shape[axis]` a multiple of the format's block.
-    fmt: a key of `fp4jax.formats.FORMATS` (the FP8 ones: `numerics.current_scaling`, rounding "rne" only).
+    fmt: a key of `fp4jax.numerics.formats.FORMATS` (the FP8 ones: `numerics.current_scaling`, rounding "rne" only).
     axis: the quantized (contraction) axis; it becomes the last axis of the K-major result.
     rounding: "rne", "sr" (stochastic; needs `key`) or "eden" (MS-EDEN, fmt "nvfp4", input already rotated,
       axis length a multiple of 128; needs `key`).

@@ -173,6 +173,18 @@ def test_clip_fraction_threshold_is_float32_of_6_cf(rule):
   np.testing.assert_array_equal(np.asarray(q.scales[:, 0], np.int32) - 127, [0, -1, 0])
 
 
+@pytest.mark.parametrize("options", [{}, {"scale_rule": "noclip"}, {"tile_2d": True}, {"rounding": "sr"}],
+                         ids=["ocp", "noclip", "tile_2d", "sr"])
+def test_mxfp4_blocks_near_float32_max_stay_finite(options):
+  """Huge finite values saturate, whatever the scale rule: an amax above 1.5 * 2^127 once got the scale 2^126
+  under the no-clip rule, and its codes (4 or 6) dequantized to inf."""
+  x = np.full((32, 32), 3.3e38, np.float32) * np.where(np.arange(32) % 2, 1, -1).astype(np.float32)
+  q = _q(x, "mxfp4", **options)
+  assert int(np.asarray(q.scales).max()) - 127 == 125
+  out = np.asarray(ref.dequantize(q))
+  assert np.isfinite(out).all() and (np.abs(out) == 6 * 2.0**125).all()
+
+
 def test_tile_2d_orientations_agree():
   cases = [(SHAPE, "mxfp4", {}), (SHAPE, "mxfp4", {"clip_fraction": 0.87}), (SHAPE, "nvfp4", {}),
            (SHAPE, "nvfp4", {"rounding": "sr"}), ((64, 96), "mxfp4", {"rounding": "sr"}), ((64, 96), "nvfp4_46", {})]

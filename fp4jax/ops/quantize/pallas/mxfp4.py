@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from fp4jax.numerics import hadamard, prng
+from fp4jax.numerics.formats import MX_E_MAX
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import common
@@ -52,7 +53,7 @@ TRANSFORMS = ("h16", "h32", "rht16", "rht32")  # column-view Hadamards (one sign
 _MANT_1P5 = 0x400000  # mantissa bits of 1.5: above them a block max m * 2^e exceeds 6 * 2^(e - 2)
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_E_MIN, _E_MAX = -127, 127
+_E_MIN, _E_MAX = -127, MX_E_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ def _default_tile(shape: tuple[int, int], row: OperandSpec, col: OperandSpec) ->
 
 
 def _block_exponent(amax_bits: jax.Array, cfg: OperandSpec) -> jax.Array:
-  """int32 E of each block from the float32 bits of its amax (clamped to E8M0's [-127, 127])."""
+  """int32 E of each block from the float32 bits of its amax (clamped to [-127, 125], as the reference)."""
   e = (amax_bits >> 23) - (_E8M0_BIAS + 2)  # floor(log2 amax) - 2: OCP's rule, amax / 2^e = 4 * 1.mant
   if cfg.scale_rule == "noclip":  # ceil(log2(amax / 6)): one up when the mantissa exceeds 1.5's
     coarser = (amax_bits & 0x7FFFFF) > _MANT_1P5
