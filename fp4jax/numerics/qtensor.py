@@ -35,7 +35,7 @@ class QTensor:
       (NVFP4 global: 1 / S_enc; FP8: 1 / S, its only scale), or `codes.shape[:-1]` for one per row (tile-local
       NVFP4: constant within a row tile). Dequantized value = element(code) * scale * outer.
   Static:
-    fmt: format name (a key of `fp4jax.formats.FORMATS`).
+    fmt: format name (a key of `fp4jax.numerics.formats.FORMATS`).
     axis: the quantized axis of the original array (non-negative).
     shape: the original array's shape.
   """
