@@ -102,15 +102,50 @@ def check_mesh(cfg: config_lib.Config) -> Mesh:
   return mesh
 
 
+def check_param_sharding(cfg: config_lib.Config, lcfg, mesh: Mesh) -> None:
+  """Fails with a UserError if a parameter dimension that the model shards over a mesh axis does not split evenly.
+
+  Otherwise the initializer raises jax's IndivisibleError, after the data is tokenized. The shapes and partition
+  specs come from `nnx.eval_shape` of the model `init_train_state` builds (no memory, milliseconds); the Adam
+  moments share them, so the parameters suffice. The message suggests a run.mesh of the same devices that fits.
+  """
+  state = nnx.state(nnx.eval_shape(lambda: build_model(cfg, lcfg)), nnx.Param)
+  specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+  sharded = []  # (parameter path, dimension index, size, mesh axes)
+  for path, var in nnx.to_flat_state(state):
+    for i, (size, axes) in enumerate(zip(var.get_value().shape, specs[path].get_value())):
+      if axes is not None:
+        sharded.append((".".join(map(str, path)), i, size, (axes,) if isinstance(axes, str) else tuple(axes)))
+
+  def first_misfit(shape: dict[str, int]):
+    return next((s for s in sharded if s[2] % math.prod(shape[a] for a in s[3])), None)
+
+  misfit = first_misfit(dict(mesh.shape))
+  if misfit is None:
+    return
+  name, dim, size, axes = misfit
+  n, split = mesh.size, math.prod(mesh.shape[a] for a in axes)
+  fits = [[d, n // d] for d in range(1, n + 1) if n % d == 0 and first_misfit(dict(zip(MESH_AXES, (d, n // d))))
+          is None]
+  axis = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {list(axes)}"
+  raise UserError(f"model parameter {name}: dimension {dim} (size {size}) is sharded over {axis} of size {split} "
+                  f"(run.mesh={list(cfg.run.mesh)}), which does not divide it; use "
+                  + (f"run.mesh={fits[0]}, or " if fits else "")
+                  + f"model.overrides whose sharded sizes are multiples of {split}")
+
+
 def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
-  the tokenizer loads, the model and route rules build, the mesh fits, and every data source names files.
+  the tokenizer loads, the model and route rules build, the mesh fits the devices, the batch and every sharded
+  parameter dimension, and every data source names files.
   (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
   for _, sub in route_configs(cfg):
     route_rules(sub, lcfg.n_layers)
-  check_mesh(cfg)
+  mesh = check_mesh(cfg)
+  for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
+    check_param_sharding(sub, lcfg, mesh)
   data.resolve_sources(cfg.data.sources, "data.sources")
   if cfg.data.eval_sources:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
@@ -167,18 +202,23 @@ class TrainState:
   all_finite: Any
 
 
-def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
-  from fp4jax import platform
+def build_model(cfg: config_lib.Config, lcfg):
+  """The run's Llama (route rules, kernels, dtype, scanning) with parameters from run.seed: one definition for
+  the train state and the sharding preflight."""
   from fp4jax.nn.llama import Llama
   from fp4jax.nn.llama.model import SCAN_POLICIES
+  return Llama(lcfg, rules=route_rules(cfg, lcfg.n_layers), rngs=nnx.Rngs(cfg.run.seed), impl=cfg.kernels.impl(),
+               dtype=DTYPES[cfg.model.dtype], scan_layers=cfg.model.scan_layers,
+               scan_policy=SCAN_POLICIES[cfg.model.scan_saves])
+
+
+def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
+  from fp4jax import platform
   lcfg = llama_config(cfg, vocab_size)
-  rules = route_rules(cfg, lcfg.n_layers)
   tx = make_tx(cfg.optim, cfg.run.steps)
-  impl = cfg.kernels.impl()
 
   def create():
-    model = Llama(lcfg, rules=rules, rngs=nnx.Rngs(cfg.run.seed), impl=impl, dtype=DTYPES[cfg.model.dtype],
-                  scan_layers=cfg.model.scan_layers, scan_policy=SCAN_POLICIES[cfg.model.scan_saves])
+    model = build_model(cfg, lcfg)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from train import data
@@ -77,3 +83,43 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "Traceback" in err and err.strip().splitlines()[-1] == (
       "python -m train: error: optim.lr=-1.0 must be a finite number > 0")
+
+
+_MESH_CHECK = textwrap.dedent("""
+  import contextlib, io, json, sys
+  from train import data
+  from train.main import main
+  def tokenizing(*args, **kwargs):
+    raise SystemExit(42)  # the preflight passed: stop before any data work
+  data.load_splits = tokenizing
+  out = {}
+  for mesh in ("[1, 3]", "[3, 1]"):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+      try:
+        rc = main(["--config", "configs/cpu_compare.yaml", "--set", f"run.out_dir={sys.argv[1]}", "--set",
+                   f"run.mesh={mesh}", "--set", "data.batch_size=6", "--set", "run.compile_cache=none"])
+      except SystemExit as e:
+        rc = e.code
+    out[mesh] = [rc, err.getvalue()]
+  json.dump(out, sys.stdout)
+""")
+
+
+def test_mesh_axis_that_does_not_divide_a_parameter_is_a_config_mistake(tmp_path):
+  """On 3 devices, fsdp=3 cannot split the dim-128 model's matrices: that is refused before tokenizing, naming the
+  parameter and a mesh that fits; data=3 splits only the batch and passes. (Before, jax's IndivisibleError came
+  from the initializer, after the data was tokenized.) A subprocess, since the device count is fixed at start."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, "-c", _MESH_CHECK, str(tmp_path / "run")], capture_output=True, text=True,
+                        env=env, timeout=240)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout)
+  rc, err = out["[1, 3]"]
+  assert rc == EXIT_USER_ERROR and "Traceback" not in err, err
+  assert err.strip().splitlines()[-1] == (
+      "python -m train: error: model parameter layers.0.attn.k.kernel: dimension 0 (size 128) is sharded over mesh "
+      "axis 'fsdp' of size 3 (run.mesh=[1, 3]), which does not divide it; use run.mesh=[3, 1], or model.overrides "
+      "whose sharded sizes are multiples of 3"), err
+  assert out["[3, 1]"][0] == 42, out["[3, 1]"][1]
