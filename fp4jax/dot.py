@@ -43,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
 from fp4jax.impl import Impl
+from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FORMATS
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.reference import dequantize
@@ -74,11 +75,12 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     x: [..., K] activations (leading dims are flattened to M tokens).
     w: [K, N] weights.
     route: a `fp4jax.route.Route` or a preset name (`fp4jax.route.names()`).
-    key: a JAX PRNG key (typed or raw); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
+    key: one JAX PRNG key (typed, or raw uint32[2]); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
     impl: an `fp4jax.Impl` (quantizer implementation, GEMM backend); None is `Impl()`: the fastest for the
       device. The numbers do not depend on it.
     out_dtype: the result's dtype (default x.dtype), written straight from the float32 accumulator, e.g.
-      float32 logits from bf16 inputs. Gradients keep x's and w's dtypes.
+      float32 logits from bf16 inputs; a floating-point dtype (an integer one would truncate). Gradients keep x's
+      and w's dtypes.
   Any M, K, N: where the route needs whole blocks (`padding_multiples`), x and w are zero-padded inside and
   the result sliced back, forward and backward, which is exact; the padded work costs its share of time.
   Returns:
@@ -96,8 +98,10 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     impl = Impl()
   elif not isinstance(impl, Impl):
     raise TypeError(f"fp4_dot's impl= takes an fp4jax.Impl(quantizer=..., gemm=...), got {impl!r}")
+  if out_dtype is not None:
+    out_dtype = _check_out_dtype(out_dtype)
   if key is not None:
-    _check_key(key)
+    prng.check_key(key, "fp4_dot")
   elif route.needs_key:
     raise ValueError(f"route {route.name!r} draws random bits (SR, MS-EDEN or random Hadamard): pass key=")
   *lead, k = x.shape
@@ -107,7 +111,8 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return _high_precision_dot(x, w, out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
-  plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype or x.dtype))
+  plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
+               np.dtype(x.dtype) if out_dtype is None else out_dtype)
   x, w = _vary_alike(x, w, key)
   mp, kp, np_ = (-(-d // mult) * mult for d, mult in zip((m, k, n), padding_multiples(route)))
   y = _dot2d(plan, _pad2d(x.reshape(m, k), mp, kp), _pad2d(w, kp, np_), key)  # [Mp, Np]
@@ -187,14 +192,20 @@ def padding_multiples(route: Route) -> tuple[int, int, int]:
   return need["M"], need["K"], need["N"]
 
 
-def _check_key(key) -> None:
-  """A single key: typed (`jax.random.key`) of shape (), or raw (`jax.random.PRNGKey`) uint32 [n]."""
-  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-  if not (shape == () if typed else dtype == jnp.uint32 and len(shape) == 1):
-    raise ValueError(f"fp4_dot needs key= one JAX PRNG key (jax.random.key, or a raw uint32 key from "
-                     f"jax.random.PRNGKey; jax.vmap over a batch of keys), got {type(key).__name__} with "
-                     f"{dtype=}, {shape=}")
+def _check_out_dtype(out_dtype) -> np.dtype:
+  """out_dtype as a NumPy dtype, if a floating-point one JAX can produce (float64 only with jax_enable_x64).
+  The result is written from the float32 accumulator: an integer dtype would truncate it silently."""
+  try:
+    dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"fp4_dot's out_dtype= takes a floating-point dtype (jnp.float32, jnp.bfloat16, ...), got "
+                     f"{out_dtype!r}")
+  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    raise ValueError(f"fp4_dot's out_dtype={dtype} needs jax_enable_x64 (JAX would truncate it to "
+                     f"{jax.dtypes.canonicalize_dtype(dtype)})")
+  return np.dtype(dtype)
 
 
 def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -266,6 +266,8 @@ def test_key_rules():
   _, dx_raw, _ = _vjp("nvfp4", x, w, x @ w, key=raw)
   _, dx_typed, _ = _vjp("nvfp4", x, w, x @ w, key=jax.random.wrap_key_data(raw))
   np.testing.assert_array_equal(dx_raw, dx_typed)
+  for impl in ("rbg", "unsafe_rbg"):  # Typed keys of any impl (rbg's data is uint32[4], not a raw threefry key).
+    assert all(np.isfinite(a).all() for a in _vjp("nvfp4_sr", x, w, x @ w, key=jax.random.key(3, impl=impl)))
 
 
 @pytest.mark.parametrize("shape_x, shape_w, match", [
@@ -374,13 +376,36 @@ def test_impl_choices_and_errors():
                                      fprop_w=routes.OperandSpec("nvfp4")), impl=Impl(gemm="native"))
 
 
-@pytest.mark.parametrize("key", [0, jnp.zeros(2), jnp.zeros(2, jnp.int32), jax.random.split(jax.random.key(0))],
-                         ids=["int", "float32", "int32", "batch_of_keys"])
+@pytest.mark.parametrize("key", [0, jnp.zeros(2), jnp.zeros(2, jnp.int32), jax.random.split(jax.random.key(0)),
+                                 jnp.zeros(4, jnp.uint32), jnp.zeros(1, jnp.uint32), jnp.zeros(3, jnp.uint32),
+                                 jax.random.split(jax.random.PRNGKey(0))],
+                         ids=["int", "float32", "int32", "batch_of_keys", "raw_uint32_4", "raw_uint32_1",
+                              "raw_uint32_3", "batch_of_raw_keys"])
 def test_bad_key_fails_at_the_call(key):
-  """The forward of the SR routes reads no key (RNE); a bad key must fail at the call, not in the backward."""
+  """The forward of the SR routes reads no key (RNE); a bad key must fail at the call, not in the backward (a raw
+  key of the wrong length used to pass and fail in jax.grad with JAX's "invalid PRNG key data")."""
   x, w, _ = _data()
-  with pytest.raises(ValueError, match="one JAX PRNG key.*dtype="):
+  with pytest.raises(ValueError, match="fp4_dot needs a key: one JAX PRNG key.*dtype="):
     fp4_dot(x, w, route="nvfp4_sr", key=key)
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4_rtn"])
+@pytest.mark.parametrize("out_dtype", [jnp.int32, jnp.uint8, jnp.bool_, "int8", "fp32", 3, jnp.complex64],
+                         ids=["int32", "uint8", "bool", "int8_str", "fp32_str", "int", "complex64"])
+def test_out_dtype_errors(out_dtype, route):
+  """out_dtype takes floating-point dtypes only: an integer one used to truncate the float32 accumulator
+  silently, a bogus name to fail with numpy's "data type not understood"."""
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="fp4_dot's out_dtype= takes a floating-point dtype"):
+    fp4_dot(x, w, route=route, out_dtype=out_dtype)
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="float64 is a valid out_dtype with jax_enable_x64")
+def test_out_dtype_float64_needs_x64():
+  """Without jax_enable_x64 JAX would truncate a float64 result to float32 (with a warning)."""
+  x, w, _ = _data()
+  with pytest.raises(ValueError, match="out_dtype=float64 needs jax_enable_x64"):
+    fp4_dot(x, w, route="mxfp4_rtn", out_dtype=jnp.float64)
 
 
 @pytest.mark.gpu

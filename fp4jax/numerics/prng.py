@@ -12,6 +12,7 @@ bit balance). Counters wrap at 2**32 elements.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,6 +37,31 @@ def fmix32(h):
   h = h * _u32(0xC2B2AE35)
   h = h ^ (h >> 16)
   return h
+
+
+def check_key(key, what: str) -> None:
+  """Raises a ValueError ("{what} needs a key: ...") unless `key` is one JAX PRNG key: typed (`jax.random.key`,
+  any impl) of shape (), or raw (`jax.random.PRNGKey`) uint32 data of the default impl's shape, [2] under
+  threefry2x32; None is no key. Checked at the call because nothing later would: `seed_words` reads any array's
+  first and last words (a batch of keys or an int would seed silently), and `jax.random.fold_in` rejects a raw
+  key of the wrong shape only when it runs, e.g. in the backward pass of an SR route whose forward reads no key.
+  Under jax.jit and jax.vmap the check reads the tracer's (per-example) dtype and shape."""
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  raw_shape = _raw_key_shape(jax.config.jax_default_prng_impl)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    ok = shape == ()
+  else:
+    ok = dtype == jnp.uint32 and shape == raw_shape
+  if not ok:
+    raise ValueError(f"{what} needs a key: one JAX PRNG key (jax.random.key, or a raw uint32{list(raw_shape)} "
+                     f"key from jax.random.PRNGKey; jax.vmap over a batch of keys), got {type(key).__name__} with "
+                     f"{dtype=}, {shape=}")
+
+
+@functools.cache
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  """The shape of a raw key of PRNG implementation `impl` (`jax_default_prng_impl`): (2,) for threefry2x32."""
+  return tuple(jax.eval_shape(functools.partial(jax.random.PRNGKey, 0, impl=impl)).shape)
 
 
 def seed_words(key: jax.Array, stream: int = STREAM_ELEMENT_SR) -> tuple[jax.Array, jax.Array]:

@@ -339,8 +339,8 @@ def _check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_f
   if n % block:
     raise ValueError(f"quantized axis length {n=} (x.shape={x.shape}, {axis=}) must be a multiple of the "
                      f"{spec.name} {block=}")
-  if ROUNDINGS[rounding].random and key is None:
-    raise ValueError(f"{rounding=} draws random bits and needs a key")
+  if ROUNDINGS[rounding].random:
+    prng.check_key(key, f"quantize's {rounding=}")
   if rounding == "eden":
     if spec.name != "nvfp4":
       raise ValueError(f"rounding='eden' (MS-EDEN) needs fmt='nvfp4', got fmt={spec.name!r}")

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy_ref  # tests/numpy_ref.py
+import pytest
 
 from fp4jax.numerics import prng
 
@@ -48,3 +49,25 @@ def test_matches_numpy_reimplementation():
     k0, k1 = prng.seed_words(KEY, stream)
     got = prng.uniform_from_bits(prng.hash_bits(k0, k1, jnp.asarray(counters)))
     np.testing.assert_array_equal(got, numpy_ref.uniforms(KEY, stream, counters))
+
+
+def test_check_key_accepts_one_key_typed_or_raw():
+  prng.check_key(KEY, "f")
+  prng.check_key(jax.random.key(5, impl="rbg"), "f")  # a typed key of any impl: its data shape is its own
+  prng.check_key(jax.random.PRNGKey(5), "f")
+  prng.check_key(np.asarray(jax.random.PRNGKey(5)), "f")
+  jax.jit(lambda k: prng.check_key(k, "f"))(KEY)  # tracers carry dtype and shape
+  jax.vmap(lambda k: prng.check_key(k, "f"))(jax.random.split(KEY, 3))  # one key per vmapped call
+  with jax.default_prng_impl("rbg"):  # a raw key is the default impl's: uint32[4] under rbg
+    prng.check_key(jax.random.PRNGKey(5), "f")
+
+
+@pytest.mark.parametrize("key", [3, None, jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.uint32),
+                                 jnp.zeros((), jnp.uint32), jax.random.split(KEY, 4),
+                                 jax.random.split(jax.random.PRNGKey(0), 4), KEY[None]],
+                         ids=["int", "none", "float32", "int32", "raw_uint32_4", "uint32_scalar", "batch_of_keys",
+                              "batch_of_raw_keys", "typed_key_of_shape_1"])
+def test_check_key_rejects_anything_but_one_key(key):
+  """seed_words reads any array's first and last words: a batch of keys or an int would seed silently."""
+  with pytest.raises(ValueError, match=r"quantize needs a key: one JAX PRNG key .*uint32\[2\].*dtype="):
+    prng.check_key(key, "quantize")
