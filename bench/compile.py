@@ -44,6 +44,7 @@ from bench import args as args_lib
 from bench import dot, triton
 from bench.step import llama_step
 from fp4jax import platform
+from train.errors import UserError
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -171,9 +172,12 @@ def _line(name: str, p: dict) -> str:
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
   if args.triton and not args.h200:
-    raise SystemExit("bench compile: --triton compiles the kernels of an --h200 lowering; add --h200")
+    raise UserError("bench compile: --triton compiles the kernels of an --h200 lowering; add --h200")
+  if args.passes and args.h200:
+    raise UserError("bench compile: --passes lists XLA's compile events, and --h200 only lowers (no compile); "
+                    "drop one")
   if args.triton and importlib.util.find_spec("triton") is None:
-    raise SystemExit("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
+    raise UserError("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
   if not args.warm:
     platform.enable_compilation_cache(None)
   where = "abstract H200 (lowering only)" if args.h200 else dot.device_info()

@@ -24,6 +24,7 @@ import numpy as np
 from bench import args as args_lib
 from fp4jax import diagnostics
 from fp4jax import route as route_lib
+from train.errors import UserError
 
 DEFAULT_ROUTES = ("mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2")
 DEFAULT_LINEARS = ("layers.0.attn.q", "layers.0.mlp.down")
@@ -43,7 +44,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="module paths of the linears to capture, or 'all' (default: %(default)s)")
   parser.add_argument("--run", metavar="DIR",
                       help="a trained model instead: a `python -m train` run directory (its config.yaml and newest "
-                           "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCH)")
+                           "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCHxSEQ; "
+                           "SEQ is the run's own data.seq_len)")
   parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
   parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, default=(128, 256, 128),
                       metavar=("M", "K", "N"),
@@ -63,8 +65,8 @@ def model_inputs(preset: str, tokens: tuple[int, int], linears: list[str], seed:
   from fp4jax.nn.diagnostics import capture_linears
   from fp4jax.nn.llama import Llama, LlamaConfig
 
-  cfg = LlamaConfig.preset(preset)
   batch, seq = tokens
+  cfg = LlamaConfig.preset(preset, max_seq_len=seq)
   model = Llama(cfg, rules=RouteRules.standard("bf16", n_layers=cfg.n_layers), rngs=nnx.Rngs(seed))
   ids = jax.random.randint(jax.random.key(seed + 1), (batch, seq + 1), 0, cfg.vocab_size)
   return capture_linears(model, ids, None, names=None if linears == ["all"] else linears)
@@ -132,17 +134,27 @@ def plot(rows: list[dict], path: str) -> bool:
   return True
 
 
+def _named_linears(inputs_fn, *args):
+  """inputs_fn(*args), with a --linears name the model does not have as a one-line UserError (it lists them)."""
+  try:
+    return inputs_fn(*args)
+  except ValueError as e:
+    if not str(e).startswith("no FP4Linear at"):  # `capture_linears`' unknown names, nothing else
+      raise
+    raise UserError(f"bench diagnose: --linears: {e}") from e
+
+
 def run(args: argparse.Namespace) -> None:
   """Prints the diagnostics table; writes JSON and a plot under --out."""
   if args.stress and args.run:
-    raise SystemExit("bench diagnose: --stress and --run are two different inputs; give one")
+    raise UserError("bench diagnose: --stress and --run are two different inputs; give one")
   if args.stress:
     inputs = diagnostics.stress_cases(*args.shape, seed=args.seed)
     source = f"stress {tuple(args.shape)}"
   elif args.run:
-    inputs, source = run_inputs(args.run, args.tokens, args.linears, args.seed)
+    inputs, source = _named_linears(run_inputs, args.run, args.tokens, args.linears, args.seed)
   else:
-    inputs = model_inputs(args.preset, args.tokens, args.linears, args.seed)
+    inputs = _named_linears(model_inputs, args.preset, args.tokens, args.linears, args.seed)
     source = f"Llama {args.preset} (random init) on {args.tokens[0]}x{args.tokens[1]} random tokens"
   print(f"bench diagnose: {source}, {args.samples} samples, {jax.devices()[0].platform}", flush=True)
   key = jax.random.key(args.seed)

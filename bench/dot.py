@@ -31,6 +31,7 @@ from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
 from fp4jax.ops.quantize import quantize_operand
+from train.errors import UserError
 
 # (name, K, N) for x [tokens, K] @ w [K, N].
 LLAMA8B_SHAPES = (("up 4096->14336", 4096, 14336), ("down 14336->4096", 14336, 4096),
@@ -216,7 +217,7 @@ def selected_shapes(args: argparse.Namespace) -> tuple[tuple, int]:
   shapes = SMALL_SHAPES if args.small else LLAMA8B_SHAPES
   unknown = sorted(set(args.shapes or ()) - set(range(len(shapes))))
   if unknown:
-    raise SystemExit(f"bench: --shapes {unknown[0]} is no shape; the {'--small ' * args.small}shapes are "
+    raise UserError(f"bench: --shapes {unknown[0]} is no shape; the {'--small ' * args.small}shapes are "
                      + ", ".join(f"{i}: {name} {k}x{n}" for i, (name, k, n) in enumerate(shapes)))
   if args.shapes:
     shapes = tuple(s for i, s in enumerate(shapes) if i in args.shapes)

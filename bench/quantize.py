@@ -30,6 +30,7 @@ from fp4jax.ops.quantize import xla
 from fp4jax.ops.quantize.pallas import eden, fp8, mxfp4, nvfp4
 from fp4jax.ops.quantize.pallas.fp8 import Fp8Tile
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
+from train.errors import UserError
 
 SHAPES = ((16384, 4096), (16384, 14336), (4096, 14336))
 
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
   wanted = args.variants.split(",")
   unknown = sorted(set(wanted) - set(VARIANTS))
   if unknown:
-    raise SystemExit(f"bench quantize: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    raise UserError(f"bench quantize: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
   variants = [(label, VARIANTS[label]) for label in wanted]
   print(f"devices: {jax.devices()}", flush=True)
   log: list = []

@@ -46,6 +46,7 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, platform
+from train.errors import UserError
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
 PEAK_BF16_FLOPS = {"NVIDIA H200": 989.4e12, "NVIDIA H100 80GB HBM3": 989.4e12}
@@ -92,6 +93,9 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
   from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
   flax = route == flax_fp8.NAME  # Flax's FP8 op on bf16 linears, with its delayed-scaling state
   overrides = {"n_layers": layers} if layers else {}
+  if attention == "cudnn" and jax.default_backend() != "gpu":
+    raise UserError(f"bench step: --attention cudnn needs a GPU (this backend: {jax.default_backend()}); use auto "
+                    f"or xla")
   cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention,
                            fuse_linears=fuse_linears and not flax, **overrides)
   rules = RouteRules.standard("bf16" if flax else route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)

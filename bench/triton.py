@@ -27,6 +27,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from bench import args as args_lib
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax, eden, mxfp4, nvfp4
+from train.errors import UserError
 
 _MX, _MX_SR = OperandSpec("mxfp4"), OperandSpec("mxfp4", "sr")
 _NV, _NV_SR = OperandSpec("nvfp4"), OperandSpec("nvfp4", "sr")
@@ -121,14 +122,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
   unknown = sorted(set(args.kernels) - set(KERNELS))
   if unknown:
-    raise SystemExit(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
+    raise UserError(f"bench triton: unknown kernels {unknown}; known: {list(KERNELS)}")
   shape = args.shape
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a cold cache: every kernel really compiles
   have_triton = importlib.util.find_spec("triton") is not None
   if not have_triton:
     print("the `triton` package is missing: printing IR sizes only (pip install triton==3.5.1)")
   for name in args.kernels:
-    ir = triton_ir(KERNELS[name], shape)
+    try:
+      ir = triton_ir(KERNELS[name], shape)
+    except NotImplementedError as e:  # the kernel's check: a shape its tiles do not cover
+      raise UserError(f"bench triton: kernel {name!r} does not take --shape {shape[0]}x{shape[1]}: {e}") from e
     line = f"{name:20s} IR {ir.count(chr(10)):6d} lines"
     if have_triton:
       seconds, kernel = compile_ir(ir, args.num_warps)

@@ -62,9 +62,9 @@ def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   assert "fused sr/noclip+fp8" in table and "to_fp8 8x16w4" in table
   assert "MISMATCH" not in table and "FAILED" not in table
 
-def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones():
-  with pytest.raises(SystemExit, match=r"unknown variants \['nv rne\|rnee'\]"):
-    main(["quantize", "--interpret", "--variants", "rne/ocp,nv rne|rnee"])
+def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones(capsys):
+  assert main(["quantize", "--interpret", "--variants", "rne/ocp,nv rne|rnee"]) == 2  # not 1: a failed check
+  assert re.search(r"unknown variants \['nv rne\|rnee'\]", capsys.readouterr().err)
   script = open(os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_bench.sh")).read()
   default = re.search(r"QUANTIZE_VARIANTS:-([^}]*)\}", script).group(1).split(",")
   assert set(default) <= set(quantize.VARIANTS) and set(quantize.DOC_VARIANTS) <= set(quantize.VARIANTS)
@@ -74,12 +74,25 @@ def test_cli_errors():
     main(["dot", "--no-such-flag"])
   with pytest.raises(SystemExit):
     main(["nope"])
-  with pytest.raises(SystemExit, match="unknown kernels"):
-    main(["triton", "mx nope"])
-  with pytest.raises(SystemExit, match="add --h200"):
-    main(["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"])
-  with pytest.raises(SystemExit, match=r"--shapes 3 is no shape; the --small shapes are 0: up"):
-    main(["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"])
+
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["triton", "mx nope"], "unknown kernels"),
+    (["triton", "--shape", "40x128", "mx rne"], "kernel 'mx rne' does not take --shape 40x128"),
+    (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "add --h200"),
+    (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
+    (["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"],
+     r"--shapes 3 is no shape; the --small shapes are 0: up"),
+    (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
+     r"--linears: no FP4Linear at \['layers.0.attn.qq'\]"),
+    (["step", "--preset", "tiny", "--tokens", "2x16", "--attention", "cudnn", "--routes", "bf16"], "cudnn needs a GPU"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+  """Input mistakes are a one-line error and exit status 2 (1 means a failed check), never a traceback."""
+  assert main(["--compile-cache", "off", *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and re.search(message, err), err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -317,3 +330,10 @@ def test_gpu_scanned_step_runs_each_forward_gemm_once():
   assert 0 < len(forward) <= 7, len(forward)
   fusions = re.findall(r"^%dynamic-slice-fusion[^{]*\{(.*?)^\}", text, flags=re.S | re.M)
   assert not any("__cublas" in body for body in fusions)
+
+
+def test_bench_diagnose_takes_sequences_past_the_presets_length(capsys):
+  """--tokens' SEQ sets the model's max_seq_len (the tiny preset's own is 128), as `bench step` does."""
+  assert main(["--compile-cache", "off", "diagnose", "--tokens", "1x256", "--linears", "layers.0.mlp.down",
+               "--routes", "bf16", "--samples", "1"]) == 0
+  assert "on 1x256 random tokens" in capsys.readouterr().out
