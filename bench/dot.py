@@ -218,7 +218,7 @@ def selected_shapes(args: argparse.Namespace) -> tuple[tuple, int]:
   unknown = sorted(set(args.shapes or ()) - set(range(len(shapes))))
   if unknown:
     raise UserError(f"bench: --shapes {unknown[0]} is no shape; the {'--small ' * args.small}shapes are "
-                     + ", ".join(f"{i}: {name} {k}x{n}" for i, (name, k, n) in enumerate(shapes)))
+                    + ", ".join(f"{i}: {name} {k}x{n}" for i, (name, k, n) in enumerate(shapes)))
   if args.shapes:
     shapes = tuple(s for i, s in enumerate(shapes) if i in args.shapes)
   return shapes, SMALL_TOKENS if args.small else LLAMA8B_TOKENS

@@ -327,7 +327,6 @@ class _StepRecorder:
                                    "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
 
-
   def saved(self) -> dict[str, list[float]]:
     """What a checkpoint keeps of the losses (JSON, beside the data position)."""
     return {"loss_tail": self.tail, "loss_window": self._window}

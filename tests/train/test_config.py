@@ -111,8 +111,7 @@ def test_kernels_section_reaches_every_linear():
     ("rope_scaling={factr: 2}", r"unknown key\(s\) \['model.overrides.rope_scaling.factr'\].*'factor'"),
 ])
 def test_model_override_errors(override, match):
-  with pytest.raises(config.ConfigError, match=match):
-    config.load_config(None, ["model.overrides." + override])
+  test_errors("model.overrides." + override, match)
 
 
 def test_model_overrides_take_the_llama_config_types():
