@@ -53,7 +53,9 @@ class MetricsLogger:
 
   def __init__(self, out_dir: str, route: str, *, after: int = 0):
     """Appends to out_dir's metrics.jsonl, first dropping its records past step `after` (a resumed run's
-    checkpoint step: the steps after it run again and log again)."""
+    checkpoint step: the steps after it run again and log again). The TensorBoard events of those steps stay in
+    the earlier event file; a SessionLog.START at step after + 1 makes TensorBoard drop them (its purge of a
+    restarted run's orphaned steps: every START after a run's first drops the events at or past its step)."""
     self.route = route
     os.makedirs(out_dir, exist_ok=True)
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
@@ -65,6 +67,8 @@ class MetricsLogger:
       os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
     self._jsonl = open(self.jsonl_path, "a")
     self._tb = EventFileWriter(os.path.join(out_dir, "tb"))
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=after + 1,
+                                       session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
 
   def log(self, step: int, kind: str, values: dict[str, float]) -> None:
     self._jsonl.write(json.dumps({"step": step, "kind": kind, "route": self.route, **values}) + "\n")

@@ -26,6 +26,24 @@ def test_tensorboard_events_read_back(tmp_path):
   assert records[0] == {"step": 1, "kind": "train", "route": "nvfp4", "loss": 2.5, "lr": 1e-3}
 
 
+def test_resume_replaces_the_steps_it_runs_again(tmp_path):
+  """A run resumed from its step-5 checkpoint logs steps 6.. again: metrics.jsonl and TensorBoard both show the
+  second run's values from step 6 on, once, and keep the first run's steps 1-5."""
+  first = metrics.MetricsLogger(str(tmp_path), "mxfp4")
+  for step in range(1, 9):
+    first.log(step, "train", {"loss": float(step)})
+  first.close()
+  again = metrics.MetricsLogger(str(tmp_path), "mxfp4", after=5)
+  for step in range(6, 8):
+    again.log(step, "train", {"loss": 10.0 * step})
+  again.close()
+  expected = [(s, float(s)) for s in range(1, 6)] + [(6, 60.0), (7, 70.0)]
+  acc = EventAccumulator(str(tmp_path / "tb"))
+  acc.Reload()
+  assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == expected
+  assert [(r["step"], r["loss"]) for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == expected
+
+
 class _Terminal(io.StringIO):
   def isatty(self) -> bool:
     return True
