@@ -33,6 +33,10 @@ class TrainedRun:
     or read from the token cache), text its evaluation read and its training did not."""
     cfg = self.config
     _, eval_tokens, _ = data.load_splits(cfg.data, log=log)
+    windows = (len(eval_tokens) - 1) // cfg.data.seq_len
+    if windows < batch_size:  # eval_windows' own message would blame data.batch_size, which this is not
+      raise UserError(f"the run's held-out split has {len(eval_tokens):,} tokens: {windows} windows of its "
+                      f"data.seq_len={cfg.data.seq_len}, fewer than the {batch_size} asked for")
     (batch,) = data.eval_windows(eval_tokens, cfg.data.seq_len, batch_size, 1)
     return np.asarray(batch, np.int32)
 

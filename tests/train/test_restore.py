@@ -67,6 +67,11 @@ def test_bench_diagnose_reads_a_trained_run(run_dir, capsys):
   assert {(r[1], r[2]) for r in rows} == {(route, kind) for route in ("mxfp4", "nvfp4") for kind in ("operand", "gemm")}
   assert bench_main(["diagnose", "--run", run_dir, "--stress"]) == 2
   assert "--stress and --run are two different inputs" in capsys.readouterr().err
+  # More windows than the held-out split holds: one line that names --tokens, not the run's data.batch_size.
+  assert bench_main(["--compile-cache", "off", "diagnose", "--run", run_dir, "--tokens", "4096x32"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "--tokens asks for 4096 held-out windows: the run's held-out split has" in err
+  assert "fewer than the 4096 asked for" in err and "data.batch_size" not in err
 
 
 def test_bench_diagnose_on_a_directory_that_is_no_run_is_one_line_exit_2(tmp_path, capsys):
