@@ -275,8 +275,9 @@ class _StepRecorder:
   `record` blocks on the loss array, so the loop calls it for step t only after step t+1 is dispatched (and
   synchronously before an eval or a checkpoint). Throughput counts the wall time from the end of the
   first (compiling) step of this process to the end of the latest one, less the eval/checkpoint pauses.
-  The last `TAIL` losses and the open log window go into each checkpoint (`saved`, `resume`), so a resumed
-  run reports and logs the numbers an uninterrupted one would.
+  The last `TAIL` losses, the open log window and the timed steps and seconds so far go into each checkpoint
+  (`saved`, `resume`), so a resumed run reports and logs the numbers an uninterrupted one would, and its
+  throughput covers every process's timed steps (also when it resumes at the final step and runs none).
   """
 
   TAIL = 10  # the table's train loss: the mean of the last TAIL step losses
@@ -293,7 +294,8 @@ class _StepRecorder:
     self._t_first: float | None = None
     self.t_start = time.time()  # before the first step's dispatch (which compiles the step)
     self.first_step_s: float | None = None
-    self._n_timed, self._pause_s = 0, 0.0
+    self._n_timed, self._pause_s, self._timed_s = 0, 0.0, 0.0
+    self._before_n, self._before_s = 0, 0.0  # timed steps and seconds of earlier processes (`resume`)
 
   @contextlib.contextmanager
   def paused(self):
@@ -315,7 +317,8 @@ class _StepRecorder:
       self.first_step_s = now - self.t_start
     else:
       self._n_timed += 1
-      self.rate = self._n_timed * self.tokens_per_step / (now - self._t_first - self._pause_s)
+      self._timed_s = now - self._t_first - self._pause_s
+      self.rate = self._rate()
     self.losses[step] = value
     self.tail = (self.tail + [value])[-self.TAIL:]
     self._window.append(value)
@@ -327,15 +330,22 @@ class _StepRecorder:
                                    "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
 
-  def saved(self) -> dict[str, list[float]]:
-    """What a checkpoint keeps of the losses (JSON, beside the data position)."""
-    return {"loss_tail": self.tail, "loss_window": self._window}
+  def _rate(self) -> float:
+    seconds = self._before_s + self._timed_s
+    return (self._before_n + self._n_timed) * self.tokens_per_step / seconds if seconds > 0 else 0.0
+
+  def saved(self) -> dict[str, Any]:
+    """What a checkpoint keeps of the losses and the timing (JSON, beside the data position)."""
+    return {"loss_tail": self.tail, "loss_window": self._window,
+            "timed_steps": self._before_n + self._n_timed, "timed_s": self._before_s + self._timed_s}
 
   def resume(self, saved: dict[str, Any]) -> None:
-    """Takes `saved`'s losses back (checkpoints of older versions have none: the first window then starts
-    empty)."""
+    """Takes `saved`'s losses and timing back (checkpoints of older versions have none: the first window then
+    starts empty, and the throughput counts this process's steps only)."""
     self.tail = [float(v) for v in saved.get("loss_tail", [])]
     self._window = [float(v) for v in saved.get("loss_window", [])]
+    self._before_n, self._before_s = int(saved.get("timed_steps", 0)), float(saved.get("timed_s", 0.0))
+    self.rate = self._rate()
 
 
 @contextlib.contextmanager

@@ -75,6 +75,13 @@ def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
   untimed = [[{k: v for k, v in r.items() if k != "tokens_per_s"}
               for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut, cfg.run.out_dir)]
   assert untimed[0] == untimed[1]
+  # Stopped after its final checkpoint, before result.json: nothing left to run, the same report, throughput
+  # included (the checkpoint carries the timed steps and seconds).
+  done = tmp_path / "done"
+  shutil.copytree(cfg.run.out_dir, done, ignore=shutil.ignore_patterns("result.json"))
+  again = train.run(config.replace(cfg, run={"out_dir": str(done)}), TOKENS, TOKENS[:2000], 257)
+  assert again["losses"] == {} and again["train_loss"] == full["train_loss"]
+  assert again["tokens_per_s"] == full["tokens_per_s"] > 0
   shutil.rmtree(cut / "ckpt" / "8")
   with pytest.raises(UserError, match=r"run.steps=8 learning-rate schedule; run.steps=12 would go on"):
     train.run(config.replace(cfg, run={"out_dir": str(cut), "steps": 12}), TOKENS, TOKENS[:2000], 257)
