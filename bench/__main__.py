@@ -1,4 +1,4 @@
-"""`python -m bench dot|quantize|compile|program|triton|diagnose [options]` (`--help` on each)."""
+"""`python -m bench dot|quantize|compile|step|program|triton|diagnose [options]` (`--help` on each)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,16 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-  parser.add_argument("--compile-cache", default=str(platform.default_cache_dir()),
-                      help="JAX's persistent compilation cache directory, or 'off' (default: %(default)s)")
+  parser.add_argument("--compile-cache", default="auto",
+                      help=f"JAX's persistent compilation cache directory, 'off' (or 'none'), or 'auto' "
+                           f"(default: auto = {platform.default_cache_dir()})")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
-    module.add_args(sub.add_parser(name, help=help_, description=module.__doc__.splitlines()[0]))
+    summary = " ".join(module.__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
+    module.add_args(sub.add_parser(name, help=help_, description=summary))
   args = parser.parse_args(argv)
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
-  platform.enable_compilation_cache(None if args.compile_cache == "off" else args.compile_cache)
+  platform.enable_compilation_cache(platform.cache_dir(args.compile_cache))
   # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.
   return guarded(f"python -m bench {args.command}", False, lambda: SUBCOMMANDS[args.command][0].run(args) or 0)
 

@@ -170,10 +170,10 @@ def _pad2d(a: jax.Array, rows: int, cols: int) -> jax.Array:
   return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
 
 
-def padding_multiples(route: Route) -> tuple[int, int, int]:
+def padding_multiples(route: str | Route) -> tuple[int, int, int]:
   """(M, K, N): what each dim is zero-padded up to a multiple of, so that every quantized operand's contraction
   dim is a whole number of its blocks, Hadamard blocks and MS-EDEN groups (and, for 2-D tiles, its other dim a
-  whole number of tiles). (1, 1, 1) for a high-precision route.
+  whole number of tiles). (1, 1, 1) for a high-precision route. `route`: a name or a Route, as in fp4_dot.
 
   Zero padding is exact: zeros add nothing to a dot product, raise no block maximum, quantize to zero under any
   rounding and keep a Hadamard-rotated block's product with its partner (both operands are rotated alike).
@@ -182,6 +182,7 @@ def padding_multiples(route: Route) -> tuple[int, int, int]:
   contraction = {"fprop": "K", "dgrad": "N", "wgrad": "M"}
   tile_other = {"fprop_x": "M", "fprop_w": "N", "dgrad_dy": "M", "dgrad_w": "K", "wgrad_x": "K", "wgrad_dy": "N"}
   need = {"M": 1, "K": 1, "N": 1}
+  route = route_lib.get(route)
   for gemm, (_, *roles) in route_lib.GEMMS.items():
     for role in roles:
       spec = route.spec(role)

@@ -75,6 +75,17 @@ def default_cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "fp4jax" / "jax"
 
 
+CACHE_OFF = ("none", "off")  # the words for "no persistent cache", in train's config and bench's flag alike
+
+
+def cache_dir(setting: str) -> pathlib.Path | None:
+  """The cache directory an app setting names: "auto" the default (`default_cache_dir`), "none" or "off" no
+  cache (None), anything else a path."""
+  if setting == "auto":
+    return default_cache_dir()
+  return None if setting in CACHE_OFF else pathlib.Path(setting)
+
+
 def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Path | None:
   """Turns on JAX's persistent compilation cache in `directory` (created if missing; None turns it off), so a
   second run of the same program loads its executables instead of compiling them (the Pallas kernels' Triton

@@ -323,6 +323,7 @@ def test_padding_multiples_by_route():
   assert dot_lib.padding_multiples(routes.get("mxfp4")) == (32, 32, 32)  # blocks; W's 32x32 tiles
   assert dot_lib.padding_multiples(routes.get("nvfp4")) == (16, 16, 16)  # blocks, RHT16 on wgrad
   assert dot_lib.padding_multiples(routes.get("quartet2")) == (128, 16, 128)  # RHT128 + MS-EDEN on dY, X
+  assert dot_lib.padding_multiples("quartet2") == (128, 16, 128)  # a name, as fp4_dot takes
   tiled_dy = routes.Route("tiled_dy", dgrad_dy=routes.OperandSpec("mxfp4", tile_2d=True),
                           dgrad_w=routes.OperandSpec("mxfp4"))
   assert dot_lib.padding_multiples(tiled_dy) == (32, 1, 32)  # dY's 32x32 tiles span M too

@@ -55,6 +55,14 @@ def _run(cache, constant, processes=1):
   return [float(out) for out, _ in outs]
 
 
+def test_cache_dir_reads_the_apps_setting(monkeypatch, tmp_path):
+  """train's run.compile_cache and bench's --compile-cache take the same words."""
+  monkeypatch.setenv("FP4JAX_CACHE", str(tmp_path / "c"))
+  assert platform.cache_dir("auto") == tmp_path / "c"
+  assert platform.cache_dir("none") is None and platform.cache_dir("off") is None
+  assert platform.cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+
+
 def test_two_processes_share_one_compilation_cache(tmp_path):
   """Two processes compiling the same program into one cache directory at once both succeed; a third loads
   the entry (no new file) and computes the same number."""

@@ -173,13 +173,14 @@ class RunConfig:
   routes: tuple[str, ...] = ()  # non-empty: compare mode, one run per route
   mesh: tuple[int, ...] = (-1, 1)
   progress: bool = True
-  compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (~/.cache/fp4jax/jax), "none", or a path
+  compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (platform.default_cache_dir), "none"
+  # (or "off"), or a path
 
   def __post_init__(self):
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
                                 "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _AT_LEAST_0,
                                 "out_dir": (bool, "a directory path, not empty"),
-                                "compile_cache": (bool, "'auto', 'none' or a directory path")})
+                                "compile_cache": (bool, "'auto', 'none', 'off' or a directory path")})
     if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
       raise ConfigError(f"run.mesh={list(self.mesh)} must be two sizes [data, fsdp], each >= 1 or one of them -1 "
                         f"(all the remaining devices)")

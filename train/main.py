@@ -50,8 +50,7 @@ def start_jax(cfg: Config) -> types.ModuleType:
   import jax
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
-  cache = {"auto": platform.default_cache_dir(), "none": None}.get(cfg.run.compile_cache, cfg.run.compile_cache)
-  platform.enable_compilation_cache(cache)
+  platform.enable_compilation_cache(platform.cache_dir(cfg.run.compile_cache))
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
   return jax

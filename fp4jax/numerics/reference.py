@@ -23,7 +23,7 @@ Conventions (the contract the kernels reproduce):
     is still made on the RNE codes, so it does not depend on the draws.
   * Tile-local NVFP4: rows = all non-quantized positions of the K-major layout, flattened; each run of
     `tile_rows` rows (the last may be shorter) uses its own amax in the NVFP4 formula; outer is per row.
-  * Stochastic rounding draws its uniform for element i from `fp4jax.prng` with counter = i's row-major flat
+  * Stochastic rounding draws its uniform for element i from `numerics.prng` with counter = i's row-major flat
     index in the *original* array, stream `STREAM_ELEMENT_SR`: round up iff u < (|v| - lo) / (hi - lo).
   * MS-EDEN (rounding="eden", "nvfp4" only, 1-D): docs/NUMERICS.md ("MS-EDEN: float32 operation order") lists
     its steps; every one is one float32 rounding in that order (`_eden_targets` computes up to t), because the

@@ -40,7 +40,7 @@ def test_yaml_and_overrides(tmp_path):
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
     ("run.compile_cache=off", r"run.compile_cache: expected a string, got False \(YAML reads"),
-    ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none' or a directory path"),
+    ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none', 'off' or a directory path"),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
     ("model.scan_saves=all", r"model.scan_saves='all' must be one of \['outputs', 'operands'\]"),
