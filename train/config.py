@@ -382,6 +382,31 @@ def _deepcopy(x: Any) -> Any:
   return x
 
 
+# Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
+# left to the callers (train.check_out_dir: it sets the learning-rate schedule; the study: it is the token budget).
+RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
+                          "progress", "compile_cache"},
+                  "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral: dict[str, set[str]] | None = None
+                     ) -> list[str]:
+  """'key: saved -> now' for every result-relevant setting that differs between two `to_dict` trees (settings in
+  RESULT_NEUTRAL, or in `also_neutral`, are left out)."""
+  neutral = {k: RESULT_NEUTRAL.get(k, set()) | (also_neutral or {}).get(k, set())
+             for k in {*RESULT_NEUTRAL, *(also_neutral or {})}}
+  out = []
+  for section, value in now.items():
+    old = saved.get(section)
+    if not isinstance(value, dict):
+      out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
+      continue
+    old = old if isinstance(old, dict) else {}
+    out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
+            if k not in neutral.get(section, ()) and old.get(k) != v]
+  return out
+
+
 def replace(cfg: Config, **sections: Any) -> Config:
   """`replace(cfg, route="mxfp4", run={"out_dir": ...})`: a copy with fields or section fields replaced."""
   updates = {}

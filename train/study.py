@@ -15,6 +15,7 @@ A study config is a training config (every section as for `python -m train`) plu
     baseline: bf16                   # the entry the gaps are measured against (default bf16)
     final_logged: 10                 # final train loss = mean of the last this many logged train losses
     curve_points: 200                # a record's loss curve keeps at most this many (step, loss) points
+                                     # (both applied when a run is recorded, not by --report)
 
 Each run is one `train.train.run_all` call on the config with `route` set to the entry's route, the entry's
 `rules` keys replacing the config's (`rules: {bf16_last: 2}` keeps the config's bf16_first), run.seed = the
@@ -27,7 +28,8 @@ When a run finishes, its record goes to <results>/runs/<name>-seed<seed>.json: t
 held-out loss, throughput, compile and first-step time, peak memory, date, git commit (or $FP4JAX_COMMIT where
 the tree has no git), device, and its logged train-loss curve subsampled to <= curve_points points. A run whose
 record exists is not run again, so a study goes on across processes, machines and sessions (one run per call
-with --only); a run cut short resumes from the checkpoint in its scratch directory if that is still there. A run
+with --only); a run cut short resumes from the checkpoint in its scratch directory if that is still there. Every
+record is checked against its run's config first (`study_records`: other settings stop the call). A run
 whose loss goes non-finite is recorded with that status (the report counts it, its loss is left out). After the
 runs (or alone with --report) the report is written from every record: see `train.study_report`.
 
@@ -49,6 +51,7 @@ from typing import Any, TextIO
 
 from train import config as config_lib, main as main_lib, metrics, study_report
 from train.config import ConfigError
+from train.errors import UserError
 
 _KEYS = ("routes", "seeds", "tokens", "results", "baseline", "final_logged", "curve_points")
 _NAME = re.compile(r"[A-Za-z0-9_.+]+$")  # an entry's name makes file names and --only arguments
@@ -210,6 +213,49 @@ def select(study: Study, only: list[str]) -> list[Run]:
   return list(chosen.values())
 
 
+# A record's config names its data by path, and the GPU host reads a copy carried with the tree (.data/...): the
+# same files under another path. Records are compared on every other result-relevant setting.
+_PATHS = {"data": {"sources", "eval_sources", "tokenizer_path"}}
+
+
+def record_changes(run: Run, rec: dict[str, Any]) -> list[str]:
+  """'key: recorded -> now' for each result-relevant setting in which `rec` (a record of `run`'s name and seed)
+  differs from `run`'s config: its step count (study.tokens) and every setting `config.changed_settings` compares,
+  data paths aside."""
+  steps = [] if rec.get("steps") == run.cfg.run.steps else [
+      f"run.steps: {rec.get('steps')!r} -> {run.cfg.run.steps!r} (study.tokens)"]
+  saved = rec.get("config") if isinstance(rec.get("config"), dict) else {}
+  return steps + config_lib.changed_settings(saved, config_lib.to_dict(run.cfg), also_neutral=_PATHS)
+
+
+def study_records(study: Study) -> tuple[list[dict[str, Any]], list[str]]:
+  """(the records of this study's runs, note lines for the report). A record made with other settings than its
+  run's, or filed under another run's name, is a UserError: averaging it in would mix token budgets, learning
+  rates or models without a trace. Records of runs this config does not have (another seed count, an entry
+  since removed) are left out and named in a note, as are the runs with no record yet."""
+  by_key = {r.key: r for r in study.runs}
+  kept, stray = [], []
+  for path, rec in study_report.read_record_files(study.settings.results):
+    key = f"{rec['name']}-seed{rec['seed']}"
+    if os.path.basename(path) != f"{key}.json":
+      raise UserError(f"{path} holds the record of {key}: a record is filed as <name>-seed<seed>.json; rename it, "
+                      f"or delete it if it is a copy")
+    if key not in by_key:
+      stray.append(key)
+      continue
+    changes = record_changes(by_key[key], rec)
+    if changes:
+      raise UserError(f"{path} was recorded with other settings than this study's ({'; '.join(changes[:4])}): use "
+                      f"another study.results for the new settings, or delete the record to train that run again")
+    kept.append(rec)
+  notes = [f"Left out: {len(stray)} record(s) of runs this config does not have: {stray}."] if stray else []
+  done = {f"{r['name']}-seed{r['seed']}" for r in kept}
+  pending = [r.key for r in study.runs if r.key not in done]
+  if pending:
+    notes.append(f"Pending: {len(pending)} of the study's {len(study.runs)} runs have no record yet: {pending}.")
+  return kept, notes
+
+
 def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> list[str]:
   """Trains each of `runs` that has no record yet and writes its record; returns the keys of those not ok."""
   import jax
@@ -237,6 +283,9 @@ def record(study: Study, run: Run, row: dict[str, Any], status: str, device: str
   path = os.path.join(cfg.run.out_dir, "metrics.jsonl")
   records = metrics.read_jsonl(path) if os.path.exists(path) else []
   train_pts = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+  if status == "ok" and not train_pts:  # a finished run re-recorded from result.json after its log was removed
+    raise UserError(f"{run.key} finished, but {path} holds no train loss, so its record would have no final train "
+                    f"loss or curve: delete {cfg.run.out_dir} to train that run again")
   eval_pts = [(r["step"], r["loss"]) for r in records if r["kind"] == "eval"]
   tail = [loss for _, loss in train_pts[-s.final_logged:]]
   per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -305,15 +354,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
   study = load(args.config, args.set)  # every run's config checked before JAX starts
+  if args.report and args.only:
+    raise UserError("--report writes the report of every recorded run and trains nothing; --only selects runs "
+                    "to train: give one of them")
   runs = select(study, args.only)
+  s = study.settings
+  runs_dir = os.path.join(s.results, study_report.RUNS_DIR)
+  try:  # a results path that cannot hold records fails now, not after the first run has trained
+    os.makedirs(runs_dir, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"study.results={s.results!r} cannot hold the run records ({e})") from e
+  study_records(study)  # records made with other settings stop the call before any training
   failed = []
   if not args.report:
     jax = main_lib.start_jax(study.runs[0].cfg)
     failed = run_study(study, runs)
     if jax.process_index():
       return main_lib.EXIT_FAILED_RUN if failed else 0
-  s = study.settings
-  table = study_report.write(s.results, [e.name for e in study.entries], s.baseline)
+  records, notes = study_records(study)
+  table = study_report.write(s.results, [e.name for e in study.entries], s.baseline, records, notes)
   print(table)
   print(f"[study] report: {os.path.join(s.results, study_report.TABLE)} (plots beside it)", file=sys.stderr)
   if failed:

@@ -37,29 +37,64 @@ COLUMNS = ("entry", "route", "bf16 blocks", "runs", "tokens", "final train loss"
            "Δ held-out vs {b}", "gap vs {b}", "tok/s")
 
 
-# What every record holds (train.study.record writes more); the report reads these without further checks.
+# What every record holds (train.study.record writes more) and what each must be; the report reads them as such.
 _REQUIRED = ("name", "seed", "status", "route", "rules", "tokens", "tokens_per_step", "train_loss", "eval_loss",
              "tokens_per_s", "date", "commit", "device", "curve")
+_TYPES = {"name": str, "seed": int, "status": str, "route": str, "rules": dict, "tokens": int, "tokens_per_step": int,
+          "date": str, "commit": str, "device": str, "curve": dict}
+_KINDS = {str: "a string", int: "an integer", dict: "a mapping"}
 
 
-def read_records(results: str) -> list[dict[str, Any]]:
-  """Every run record under results/runs, in file-name order. A file that is not a record (a hand edit, a merge
-  conflict in a committed record) raises a UserError naming it: records are written whole (`metrics.write_json`),
-  so it was changed after its run."""
+def _number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _problem(rec: Any) -> str | None:
+  """Why `rec` is not a usable record, or None."""
+  if not isinstance(rec, dict):
+    return "not a JSON object"
+  missing = next((k for k in _REQUIRED if k not in rec), None)
+  if missing:
+    return f"no {missing!r}"
+  wrong = next((k for k, t in _TYPES.items() if not isinstance(rec[k], t) or isinstance(rec[k], bool)), None)
+  if wrong:
+    return f"{wrong}={rec[wrong]!r}, expected {_KINDS[_TYPES[wrong]]}"
+  curve = rec["curve"]
+  if not (isinstance(curve.get("step"), list) and isinstance(curve.get("loss"), list)
+          and len(curve["step"]) == len(curve["loss"])):
+    return "curve is not {step: [...], loss: [...]} of one length"
+  if rec["status"] == "ok":
+    bad = next((k for k in ("train_loss", "eval_loss") if not _number(rec[k])), None)
+    if bad:
+      return f"status ok with {bad}={rec[bad]!r}, not a finite number"
+  if rec["tokens_per_s"] is not None and not _number(rec["tokens_per_s"]):
+    return f"tokens_per_s={rec['tokens_per_s']!r} is not a number"
+  return None
+
+
+def read_record_files(results: str) -> list[tuple[str, dict[str, Any]]]:
+  """(path, record) of every run record under results/runs, in file-name order. A file that is not a record (a
+  hand edit, a merge conflict in a committed record) raises a UserError naming it: records are written whole
+  (`metrics.write_json`), so it was changed after its run."""
   out = []
   for path in sorted(glob.glob(os.path.join(results, RUNS_DIR, "*.json"))):
+    rec = None
     try:
       with open(path) as f:
         rec = json.load(f)
-      problem = None if isinstance(rec, dict) else "not a JSON object"
-      problem = problem or next((f"no {k!r}" for k in _REQUIRED if k not in rec), None)
+      problem = _problem(rec)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       problem = f"not valid JSON ({e})"
     if problem:
       raise UserError(f"{path} is not a study run record: {problem}. Restore it (git checkout), or delete it to "
                       f"train that run again")
-    out.append(rec)
+    out.append((path, rec))
   return out
+
+
+def read_records(results: str) -> list[dict[str, Any]]:
+  """The records of `read_record_files`, without their paths."""
+  return [rec for _, rec in read_record_files(results)]
 
 
 def mean_spread(values: list[float]) -> tuple[float | None, float | None]:
@@ -146,17 +181,27 @@ def _provenance(records: list[dict[str, Any]]) -> str:
           f"held-out loss, ± the standard error of the difference (train/study_report.py).")
 
 
-def write(results: str, names: list[str], baseline: str) -> str:
-  """Writes table.md, report.json, curves.png and gap.png under `results` from its records; returns the table."""
-  records = read_records(results)
+OUTPUTS = (TABLE, "report.json", "curves.png", "gap.png")
+
+
+def write(results: str, names: list[str], baseline: str, records: list[dict[str, Any]] | None = None,
+          notes: tuple[str, ...] | list[str] = ()) -> str:
+  """Writes table.md, report.json, curves.png and gap.png under `results` from `records` (default: every record
+  there), with `notes` (e.g. runs still to do) below the table; returns the table. With no record, table.md says
+  so and the other outputs of an earlier report are removed (they would describe records that are gone)."""
+  records = read_records(results) if records is None else records
   if not records:
-    table = f"no run recorded yet under {os.path.join(results, RUNS_DIR)}"
+    table = f"no run recorded yet under {os.path.abspath(os.path.join(results, RUNS_DIR))}"
+    for name in OUTPUTS[1:]:
+      if os.path.exists(os.path.join(results, name)):
+        os.remove(os.path.join(results, name))
   else:
     rows = summarize(records, names, baseline)
     table = format_table(rows, baseline) + "\n\n" + _provenance(records).format(b=baseline)
     metrics.write_json(os.path.join(results, "report.json"), rows)
     plot_curves(records, rows, os.path.join(results, "curves.png"))
     plot_gaps(rows, baseline, os.path.join(results, "gap.png"))
+  table = "\n".join([table, *notes])
   os.makedirs(results, exist_ok=True)
   with open(os.path.join(results, TABLE), "w") as f:
     f.write(table + "\n")
@@ -164,7 +209,8 @@ def write(results: str, names: list[str], baseline: str) -> str:
 
 
 def mean_curve(runs: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[float]]:
-  """(steps, mean, min, max) of the runs' stored train losses at the steps every one of them holds."""
+  """(steps, mean, min, max) of the runs' stored train losses at the steps every one of them holds (none when
+  their curves share no step, e.g. runs logged at other intervals)."""
   steps = sorted(set.intersection(*(set(r["curve"]["step"]) for r in runs)))
   at = [dict(zip(r["curve"]["step"], r["curve"]["loss"])) for r in runs]
   values = [[a[s] for a in at] for s in steps]
@@ -180,6 +226,8 @@ def plot_curves(records: list[dict[str, Any]], rows: list[dict[str, Any]], path:
     if not runs:
       continue
     steps, mean, low, high = mean_curve(runs)
+    if not steps:
+      continue
     tokens = [s * runs[0]["tokens_per_step"] / 1e6 for s in steps]
     ax.plot(tokens, mean, color=f"C{i}", label=f"{row['name']} (n={len(runs)})")
     ax.fill_between(tokens, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
@@ -189,7 +237,8 @@ def plot_curves(records: list[dict[str, Any]], rows: list[dict[str, Any]], path:
   ax.set_xlabel("training tokens (M)")
   ax.set_ylabel("train loss (nats/token), mean over seeds; min-max shaded")
   ax.grid(alpha=0.3)
-  ax.legend()
+  if tops:
+    ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -463,25 +463,6 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
 
 
 RESULT_FILE = "result.json"
-# Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
-# left to check_out_dir (it sets the learning-rate schedule: a checkpoint continues only under its own).
-_RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
-                           "progress", "compile_cache"},
-                   "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
-
-
-def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-  """'key: saved -> now' for every result-relevant setting that differs between two `config_lib.to_dict` trees."""
-  out = []
-  for section, value in now.items():
-    old = saved.get(section)
-    if not isinstance(value, dict):
-      out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
-      continue
-    old = old if isinstance(old, dict) else {}
-    out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
-            if k not in _RESULT_NEUTRAL.get(section, ()) and old.get(k) != v]
-  return out
 
 
 def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
@@ -501,7 +482,7 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   if os.path.exists(saved_cfg):
     with open(saved_cfg) as f:
       saved = yaml.safe_load(f) or {}
-    changed = _changed_settings(saved, config_lib.to_dict(cfg))
+    changed = config_lib.changed_settings(saved, config_lib.to_dict(cfg))
     if changed:
       raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
                       f"settings")

@@ -154,13 +154,80 @@ def test_a_damaged_record_is_named_not_a_traceback(tmp_path, capsys):
   (runs / "bf16-seed0.json").write_text(json.dumps(good))
   assert [r["seed"] for r in study_report.read_records(str(tmp_path / "res"))] == [0]
   for text, problem in (('{"name": "bf16", <<<<<<< HEAD', "not valid JSON"), ("[1, 2]", "not a JSON object"),
-                        (json.dumps({k: v for k, v in good.items() if k != "eval_loss"}), "no 'eval_loss'")):
+                        (json.dumps({k: v for k, v in good.items() if k != "eval_loss"}), "no 'eval_loss'"),
+                        (json.dumps({**good, "train_loss": None}), "status ok with train_loss=None, not a finite"),
+                        (json.dumps({**good, "eval_loss": "4.2"}), "status ok with eval_loss='4.2'"),
+                        (json.dumps({**good, "curve": []}), "curve=\\[\\], expected a mapping"),
+                        (json.dumps({**good, "date": None}), "date=None, expected a string"),
+                        (json.dumps({**good, "seed": True}), "seed=True, expected an integer")):
     (runs / "bf16-seed1.json").write_text(text)
     with pytest.raises(UserError, match=rf"bf16-seed1.json is not a study run record: {problem}"):
       study_report.read_records(str(tmp_path / "res"))
   path = _study_file(tmp_path, results=str(tmp_path / "res"))
   assert study.main(["--config", path, "--report"]) == EXIT_USER_ERROR
   assert "delete it to train that run again" in capsys.readouterr().err
+
+
+def test_records_are_checked_against_the_study(tmp_path, monkeypatch, capsys):
+  """A record made with other settings, or filed under another run's name, stops the call (one line, exit 2)
+  before any training; records of runs the config does not have are left out and named, missing runs listed."""
+  path = _study_file(tmp_path)
+  results = tmp_path / "results"
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls))
+  assert study.main(["--config", path]) == 0 and len(calls) == 4
+  capsys.readouterr()
+  for override, change in (("optim.lr=0.03", "optim.lr: 0.01 -> 0.03"),
+                           ("study.tokens=2000", "run.steps: 3 -> 8 (study.tokens)"),
+                           ("data.seq_len=16", "data.seq_len: 32 -> 16")):
+    for mode in (["--only", "mxfp4_last1:1"], ["--report"]):
+      assert study.main(["--config", path, "--set", override, *mode]) == EXIT_USER_ERROR
+      err = capsys.readouterr().err.strip()
+      assert err.count("\n") == 0 and "was recorded with other settings than this study's" in err, err
+      assert change in err and "use another study.results for the new settings" in err
+  assert len(calls) == 4  # nothing trained
+  # Data paths are not compared: the GPU host reads the same files from a copy carried with the tree.
+  moved = tmp_path / "moved.txt"
+  moved.write_bytes(TEXT)
+  assert study.main(["--config", path, "--set", f"data.sources=[{moved}]", "--report"]) == 0
+
+  # Fewer seeds: the seed-1 records are left out and named; a missing record is pending.
+  assert study.main(["--config", path, "--set", "study.seeds=1", "--report"]) == 0
+  table = (results / study_report.TABLE).read_text()
+  assert "| bf16 | bf16 | none | 1 |" in table
+  assert "Left out: 2 record(s) of runs this config does not have: ['bf16-seed1', 'mxfp4_last1-seed1']." in table
+  (results / "runs" / "mxfp4_last1-seed1.json").unlink()
+  assert study.main(["--config", path, "--report"]) == 0
+  assert "Pending: 1 of the study's 4 runs have no record yet: ['mxfp4_last1-seed1']." in capsys.readouterr().out
+
+  # A copy under another name would count a run twice.
+  (results / "runs" / "bf16-seed0.bak.json").write_text((results / "runs" / "bf16-seed0.json").read_text())
+  assert study.main(["--config", path, "--report"]) == EXIT_USER_ERROR
+  assert "bf16-seed0.bak.json holds the record of bf16-seed0" in capsys.readouterr().err
+  assert study.main(["--config", path, "--report", "--only", "bf16:0"]) == EXIT_USER_ERROR
+  assert "--only selects runs to train: give one of them" in capsys.readouterr().err
+
+
+def test_a_finished_run_without_its_log_is_not_recorded_as_ok(tmp_path, monkeypatch):
+  path = _study_file(tmp_path)
+  monkeypatch.setattr(train, "run_all", lambda cfg, log=None: [{"route": cfg.route, "eval_loss": 4.0}])
+  assert study.main(["--config", path, "--only", "bf16:0"]) == EXIT_USER_ERROR  # no metrics.jsonl in its out_dir
+  assert not (tmp_path / "results" / "runs" / "bf16-seed0.json").exists()
+
+
+def test_report_without_records_or_shared_curve_steps(tmp_path):
+  """No record left: table.md says so and the earlier report's other outputs go. Runs whose curves share no step
+  (logged at other intervals) still get their table and plots."""
+  results = tmp_path / "res"
+  (results / "runs").mkdir(parents=True)
+  for name in study_report.OUTPUTS:
+    (results / name).write_text("old")
+  assert study_report.write(str(results), ["bf16"], "bf16").startswith("no run recorded yet under /")
+  assert sorted(os.listdir(results)) == ["runs", study_report.TABLE]
+  good = json.loads(open("results/study_30m/runs/bf16-seed0.json").read())
+  other = {**good, "seed": 1, "curve": {"step": [7, 9], "loss": [5.0, 4.0]}}
+  table = study_report.write(str(results), ["bf16"], "bf16", [good, other])
+  assert "| bf16 | bf16 | none | 2 |" in table and (results / "curves.png").stat().st_size > 1000
 
 
 def test_subsample_keeps_the_ends():
