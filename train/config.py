@@ -115,7 +115,7 @@ class RulesConfig:
     _check_counts("rules", self, {"bf16_first": _AT_LEAST_0, "bf16_last": _AT_LEAST_0})
     try:
       RouteRules.parse(list(self.extra))  # checks each rule's form and route name
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
       raise ConfigError(f"rules.extra: {e}") from e
 
 

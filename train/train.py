@@ -153,12 +153,12 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
 
 
 def route_rules(cfg: config_lib.Config, n_layers: int):
-  """`rules.extra` ("regex=route", tried first), then the standard recipe for `cfg.route`."""
+  """`rules.extra` ("regex=route", tried first; the model rejects one that decides no layer), then the
+  standard recipe for `cfg.route` (its fallback rules, which may decide none)."""
   from fp4jax.nn import RouteRules
   std = RouteRules.standard(cfg.route, n_layers=n_layers, bf16_first=cfg.rules.bf16_first,
                             bf16_last=cfg.rules.bf16_last)
-  extra = RouteRules.parse(list(cfg.rules.extra)).rules if cfg.rules.extra else ()
-  return RouteRules(tuple(extra) + std.rules, default=std.default)
+  return dataclasses.replace(std, rules=RouteRules.parse(list(cfg.rules.extra)).rules)
 
 
 def lr_schedule(o: config_lib.OptimConfig, steps: int) -> optax.Schedule:
@@ -207,9 +207,13 @@ def build_model(cfg: config_lib.Config, lcfg):
   the train state and the sharding preflight."""
   from fp4jax.nn.llama import Llama
   from fp4jax.nn.llama.model import SCAN_POLICIES
-  return Llama(lcfg, rules=route_rules(cfg, lcfg.n_layers), rngs=nnx.Rngs(cfg.run.seed), impl=cfg.kernels.impl(),
-               dtype=DTYPES[cfg.model.dtype], scan_layers=cfg.model.scan_layers,
-               scan_policy=SCAN_POLICIES[cfg.model.scan_saves])
+  from fp4jax.nn.rules import UnusedRulesError
+  try:
+    return Llama(lcfg, rules=route_rules(cfg, lcfg.n_layers), rngs=nnx.Rngs(cfg.run.seed),
+                 impl=cfg.kernels.impl(), dtype=DTYPES[cfg.model.dtype], scan_layers=cfg.model.scan_layers,
+                 scan_policy=SCAN_POLICIES[cfg.model.scan_saves])
+  except UnusedRulesError as e:  # a misspelt rules.extra: one line before any work (preflight builds the model)
+    raise config_lib.ConfigError(f"rules.extra: {e}") from e
 
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:

@@ -52,6 +52,9 @@ def _args(tmp_path, *sets: str) -> list[str]:
     (["data.sources=[/nonexistent/*.txt]"], "data.sources: '/nonexistent/*.txt' matches no files"),
     (["run.mesh=[3, 1]"], "run.mesh=[3, 1] does not cover the 1 device(s)"),
     (["optim.lrr=1"], "unknown key(s) ['optim.lrr']"),
+    (["rules.extra=[layer\\.0\\..*=bf16]"], "rules.extra: route rules 'layer\\.0\\..*=bf16' decide the route of no "
+                                          "linear"),
+    (["rules.extra=[' =bf16']"], "rules.extra: route rule ' =bf16' must read 'REGEX=ROUTE'"),
 ])
 def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_data_work, sets, match):
   assert match in _error_line(capsys, _args(tmp_path, *sets))

@@ -32,7 +32,7 @@ from flax import nnx
 
 from fp4jax import dot
 from fp4jax.impl import Impl
-from fp4jax.nn import linear
+from fp4jax.nn import linear, rules as rules_lib
 from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
@@ -65,7 +65,8 @@ SCAN_POLICIES: dict[str, SavePolicy] = {
 
 
 class Llama(nnx.Module):
-  """Decoder-only Llama with FP4 dense layers routed per module path by `rules`.
+  """Decoder-only Llama with FP4 dense layers routed per module path by `rules`; one of the user's rules
+  (`RouteRules.rules`, not the recipe's fallback) that decides no linear is a ValueError (`RouteRules.unused`).
 
   Random keys: pass one key per step; block l's linears get fold_in(key, 7l + j) (see
   `layers.linear_index`), the lm_head fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
@@ -105,6 +106,7 @@ class Llama(nnx.Module):
           param_dtype=param_dtype,
           kernel_init=nnx.initializers.normal(config.init_std),
           kernel_sharding=fsdp_sharding((config.dim, config.vocab_size)), out_dtype=jnp.float32, rngs=rngs)
+    _check_rules_used(rules, list(self.routes()), config.n_layers)
 
   def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] float32. `key`: one random key per step (keyed routes)."""
@@ -172,6 +174,20 @@ class Llama(nnx.Module):
     """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4."""
     return {".".join(map(str, path)): module.route.name
             for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
+
+
+def _check_rules_used(rules: RouteRules, paths: list[str], n_layers: int) -> None:
+  """An UnusedRulesError (a ValueError) naming the user's rules that decide no linear of the model
+  (`RouteRules.unused`): a misspelt regex (`layer\\.` for `layers\\.`) would otherwise train every layer on the
+  default route."""
+  unused = rules.unused(paths)
+  if unused:
+    shown = [p for p in paths if not p.startswith("layers.") or p.startswith("layers.0.")]
+    named = ", ".join(f"'{rules_lib.describe(r)}'" for r in unused)
+    raise rules_lib.UnusedRulesError(
+        f"route rules {named} decide the route of no linear: a regex must fully match a dotted module path, and "
+        f"the first rule that does wins; the model's linears are {shown} and the same in each block up to "
+        f"layers.{n_layers - 1}")
 
 
 def _kernel_dtypes(block: Block) -> dict[tuple[str, ...], Any]:
