@@ -26,6 +26,7 @@ import numpy as np
 
 from fp4jax import route as route_lib
 from fp4jax.dot import fp4_dot, padding_multiples
+from fp4jax.numerics import prng
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.reference import decode_scales, dequantize
@@ -75,18 +76,21 @@ def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, 
 
   `source` (default v) is what is quantized; the error is measured against v, both after the transform, so
   for a route that re-quantizes the saved forward FP4 values (`requantize_saved`) it is the total error.
-  Returns {"rel_sq_error": ||Q(v) - T(v)||^2 / ||T(v)||^2 (0 for an all-zero v), "zero_fraction": nonzero T(v)
+  Returns {"rel_sq_error": ||Q(v) - T(v)||^2 / ||T(v)||^2 (0 for an all-zero v, NaN for a non-finite one),
+  "zero_fraction": nonzero T(v)
   elements whose code is +-0 over nonzero T(v) elements, "clip_fraction": elements with |T(v)| / (block scale
   x outer) > the element maximum (6 for E2M1) over all elements, i.e. clipped before rounding (for finite
   inputs the same as saturated codes that were rounded down to the maximum)}, T the spec's transform along
   `axis` (identity without one). A high-precision spec loses nothing: all three are 0.
   """
+  if role not in route_lib.ROLES:
+    raise ValueError(f"role {role!r} is not an operand role: {list(route_lib.ROLES)}")
   if not spec.quantized:
     return {"rel_sq_error": 0.0, "zero_fraction": 0.0, "clip_fraction": 0.0}
   keys = route_lib.operand_keys(spec, key, role)
   err, norm, zeros, nonzeros, clipped = _operand_sums(v, v if source is None else source, keys, spec, axis)
   return {
-      "rel_sq_error": float(err / norm) if norm > 0 else 0.0,
+      "rel_sq_error": 0.0 if norm == 0 else float(err / norm),  # NaN (not 0) for a non-finite operand
       "zero_fraction": float(zeros / max(nonzeros, 1)),
       "clip_fraction": float(clipped / v.size),
   }
@@ -147,6 +151,10 @@ def _gemm_metrics(sums: dict[str, jax.Array], s: int, deterministic: bool) -> di
   `operand_report`) from one GEMM's `_gemm_sums`."""
   sums = {k: float(v) for k, v in sums.items()}
   ref_norm = sums["ref_norm"]
+  if not all(map(math.isfinite, sums.values())):  # a non-finite operand: no metric means anything, say so
+    nan = math.nan
+    return {"cosine": nan, "rel_error": nan, "bias": nan, "unbiased_bias": nan, "spread": nan,
+            "deterministic": deterministic, "samples": s}
   if ref_norm == 0:  # an exact zero product: nothing to be relative to; a zero estimate is exact
     zero = sums["max_abs"] == 0
     return {"cosine": 1.0 if zero else 0.0, "rel_error": 0.0 if zero else math.inf, "bias": 0.0 if zero else math.inf,
@@ -187,11 +195,15 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
     means the GEMM is biased; for an unbiased one the two agree to within sampling noise.
   """
   route = route_lib.get(route)
-  if samples < 1:
-    raise ValueError(f"samples must be >= 1, got {samples}")
+  if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+    raise ValueError(f"samples must be an int >= 1, got {samples!r}")
   x, w, dy = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
   if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
     raise ValueError(f"operand_report needs x [M, K], w [K, N], dy [M, N]: {x.shape=}, {w.shape=}, {dy.shape=}")
+  if 0 in x.shape + w.shape:
+    raise ValueError(f"operand_report needs non-empty operands: {x.shape=}, {w.shape=}")
+  if key is not None:
+    prng.check_key(key, "operand_report")
   key = jax.random.key(0) if key is None else key
   keys = jax.random.split(key, samples)
   rows = []

@@ -92,6 +92,8 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
       raise TypeError(f"fp4_dot takes arrays: {name} is a {type(a).__name__} (wrap it in jnp.asarray)")
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise ValueError(f"fp4_dot takes floating-point arrays: {name} has dtype {a.dtype}")
+  if isinstance(x, np.ndarray) or isinstance(w, np.ndarray):  # NumPy float64 as JAX holds it (float32 unless x64)
+    x, w = jnp.asarray(x), jnp.asarray(w)
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"fp4_dot needs x [..., K] and w [K, N]: {x.shape=}, {w.shape=}")
   if impl is None:
@@ -99,7 +101,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   elif not isinstance(impl, Impl):
     raise TypeError(f"fp4_dot's impl= takes an fp4jax.Impl(quantizer=..., gemm=...), got {impl!r}")
   if out_dtype is not None:
-    out_dtype = _check_out_dtype(out_dtype)
+    out_dtype = check_out_dtype(out_dtype, "fp4_dot's out_dtype=")
   if key is not None:
     prng.check_key(key, "fp4_dot")
   elif route.needs_key:
@@ -193,18 +195,20 @@ def padding_multiples(route: str | Route) -> tuple[int, int, int]:
   return need["M"], need["K"], need["N"]
 
 
-def _check_out_dtype(out_dtype) -> np.dtype:
-  """out_dtype as a NumPy dtype, if a floating-point one JAX can produce (float64 only with jax_enable_x64).
-  The result is written from the float32 accumulator: an integer dtype would truncate it silently."""
+def check_out_dtype(out_dtype, what: str) -> np.dtype:
+  """out_dtype as a NumPy dtype, if a floating-point one of 16 bits or more that JAX can produce (float64 only
+  with jax_enable_x64); else a ValueError starting with `what`. The result is written from the float32
+  accumulator: an integer dtype would truncate it silently, and an 8-bit float turns values past its range into
+  NaN (e4m3fn has no inf)."""
   try:
     dtype = jnp.dtype(out_dtype)
   except TypeError:
     dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"fp4_dot's out_dtype= takes a floating-point dtype (jnp.float32, jnp.bfloat16, ...), got "
-                     f"{out_dtype!r}")
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+    raise ValueError(f"{what} takes a floating-point dtype of 16 bits or more (jnp.float32, jnp.bfloat16, ...), "
+                     f"got {out_dtype!r}")
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-    raise ValueError(f"fp4_dot's out_dtype={dtype} needs jax_enable_x64 (JAX would truncate it to "
+    raise ValueError(f"{what}{dtype} needs jax_enable_x64 (JAX would truncate it to "
                      f"{jax.dtypes.canonicalize_dtype(dtype)})")
   return np.dtype(dtype)
 

@@ -19,6 +19,8 @@ that references and kernels reproduce it):
 from __future__ import annotations
 
 import dataclasses
+import types
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,8 @@ class Route:
   requantize_saved: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise TypeError(f"a Route's name is a non-empty str (it keys jit caches and logs), got {self.name!r}")
     for role in ROLES:
       spec = getattr(self, role)
       if spec is None:
@@ -172,7 +176,8 @@ _PRESETS: tuple[Route, ...] = (
     # each tensor's own amax, E4M3 for X and W, E5M2 for dY; one FP8 tensor serves both GEMMs that read it.
     Route("fp8", fprop_x=_E4M3, fprop_w=_E4M3, dgrad_dy=_E5M2, dgrad_w=_E4M3, wgrad_dy=_E5M2, wgrad_x=_E4M3),
 )
-PRESETS: dict[str, Route] = {r.name: r for r in _PRESETS}
+PRESETS: Mapping[str, Route] = types.MappingProxyType({r.name: r for r in _PRESETS})  # read-only: a name means
+# one route process-wide
 
 
 def names() -> tuple[str, ...]:

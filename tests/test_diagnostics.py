@@ -40,6 +40,25 @@ def test_bf16_route_is_exact():
     assert r["cosine"] == pytest.approx(1.0, abs=1e-6) and r["rel_error"] < 1e-6 and r["deterministic"]
 
 
+def test_non_finite_operands_and_bad_arguments():
+  """A NaN or inf operand gives NaN metrics, never the 0.0 of a lossless one; bad arguments are named."""
+  x, w, dy = (np.array(a) for a in _case())
+  for bad in (np.nan, np.inf):
+    x[0, 0] = bad
+    rows = diagnostics.operand_report(x, w, dy, "mxfp4_rtn", samples=1)
+    assert math.isnan(_rows(rows, "operand")["fprop_x"]["rel_sq_error"])
+    assert math.isnan(_rows(rows, "gemm")["fprop"]["cosine"])
+  x, w, dy = _case()
+  with pytest.raises(ValueError, match="operand_report needs a key"):
+    diagnostics.operand_report(x, w, dy, "nvfp4", key=0)
+  with pytest.raises(ValueError, match="samples must be an int >= 1, got 2.5"):
+    diagnostics.operand_report(x, w, dy, "mxfp4_rtn", samples=2.5)
+  with pytest.raises(ValueError, match="needs non-empty operands"):
+    diagnostics.operand_report(x[:0], w, dy[:0], "mxfp4_rtn")
+  with pytest.raises(ValueError, match="role 'foo' is not an operand role"):
+    diagnostics.operand_metrics(x, OperandSpec("mxfp4"), 1, jax.random.key(0), role="foo")
+
+
 def test_mxfp4_sr_report():
   """mxfp4_sr: RNE forward (deterministic), SR on every backward operand (unbiased dgrad and wgrad), 64 keys;
   one test so that its compiled GEMMs are shared by the all-zero case (same route, shapes and samples)."""
@@ -146,3 +165,42 @@ def test_cli_stress(tmp_path, capsys):
   ragged = [r for r in rows if r["input"] == "ragged_k" and r["kind"] == "gemm"]
   assert len(ragged) == 6 and all(r["cosine"] > 0.9 for r in ragged), ragged  # fp4_dot pads K inside
   assert "tiny" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def _tiny_llama():
+  cfg = LlamaConfig.preset("tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=64)
+  return Llama(cfg, rules=RouteRules.standard("bf16", n_layers=1), rngs=nnx.Rngs(0), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("tokens, match", [
+    (jnp.zeros((1, 9), jnp.int32).at[0, 3].set(64), r"ids in \[0, 64\], outside \[0, vocab_size=64\)"),  # NaN dy
+    (jnp.zeros((1, 9), jnp.int32).at[0, 3].set(-1), r"ids in \[-1, 0\], outside \[0, vocab_size=64\)"),
+    (np.zeros((1, 9), np.int64), None),  # numpy ids are fine
+    (jnp.zeros((2, 1), jnp.int32), r"needs B >= 1 and T >= 1 .* got shape \(2, 1\)"),  # was empty [0, K] arrays
+    (jnp.zeros((0, 9), jnp.int32), r"needs B >= 1 and T >= 1 .* got shape \(0, 9\)"),
+    (jnp.zeros((9,), jnp.int32), r"tokens takes an integer array \[B, T \+ 1\] .* got ArrayImpl int32\[9\]"),
+    (jnp.zeros((1, 9), jnp.float32), r"tokens takes an integer array .* got ArrayImpl float32\[1, 9\]"),
+    ([[1, 2, 3]], r"tokens takes an integer array .* got list"),
+])
+def test_capture_linears_checks_tokens(_tiny_llama, tokens, match):
+  if match is None:
+    assert capture_linears(_tiny_llama, tokens, names=["lm_head"])["lm_head"].dy.shape == (8, 64)
+  else:
+    with pytest.raises(ValueError, match=match):
+      capture_linears(_tiny_llama, tokens, names=["lm_head"])
+
+
+def test_capture_linears_checks_traced_tokens_by_shape_only(_tiny_llama):
+  """Traced tokens have no values to check; their shape and dtype still are."""
+  dy = jax.jit(lambda t: capture_linears(_tiny_llama, t, names=["lm_head"])["lm_head"].dy)(
+      jnp.ones((1, 5), jnp.int32))
+  assert dy.shape == (4, 64)
+  with pytest.raises(ValueError, match="needs B >= 1 and T >= 1"):
+    jax.jit(lambda t: capture_linears(_tiny_llama, t))(jnp.ones((1, 1), jnp.int32))
+
+
+def test_capture_linears_names_must_be_a_list(_tiny_llama):
+  with pytest.raises(TypeError, match=r"names takes a list of module paths, got the string 'lm_head': use "
+                                      r"\['lm_head'\]"):
+    capture_linears(_tiny_llama, jnp.ones((1, 5), jnp.int32), names="lm_head")

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -391,14 +392,30 @@ def test_bad_key_fails_at_the_call(key):
 
 
 @pytest.mark.parametrize("route", ["bf16", "mxfp4_rtn"])
-@pytest.mark.parametrize("out_dtype", [jnp.int32, jnp.uint8, jnp.bool_, "int8", "fp32", 3, jnp.complex64],
-                         ids=["int32", "uint8", "bool", "int8_str", "fp32_str", "int", "complex64"])
+@pytest.mark.parametrize("out_dtype", [jnp.int32, jnp.uint8, jnp.bool_, "int8", "fp32", 3, jnp.complex64,
+                                       jnp.float8_e4m3fn],
+                         ids=["int32", "uint8", "bool", "int8_str", "fp32_str", "int", "complex64", "float8"])
 def test_out_dtype_errors(out_dtype, route):
-  """out_dtype takes floating-point dtypes only: an integer one used to truncate the float32 accumulator
-  silently, a bogus name to fail with numpy's "data type not understood"."""
+  """out_dtype takes floating-point dtypes of 16 bits or more: an integer one used to truncate the float32
+  accumulator silently, a float8 one to turn values past its range into NaN, a bogus name to fail with numpy's
+  "data type not understood"."""
   x, w, _ = _data()
-  with pytest.raises(ValueError, match="fp4_dot's out_dtype= takes a floating-point dtype"):
+  with pytest.raises(ValueError, match="fp4_dot's out_dtype= takes a floating-point dtype of 16 bits"):
     fp4_dot(x, w, route=route, out_dtype=out_dtype)
+
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="float64 is float64 with jax_enable_x64")
+def test_numpy_float64_inputs_are_held_as_jax_holds_them():
+  """NumPy float64 operands run as the float32 arrays JAX makes of them, with no truncation warning from inside
+  fp4_dot, and give the float32 call's result and dtype."""
+  x, w, _ = _data()
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for route in ("bf16", "mxfp4_rtn"):
+      y = fp4_dot(x64, w64, route=route)
+      assert y.dtype == jnp.float32
+      np.testing.assert_array_equal(y, fp4_dot(jnp.asarray(x64), jnp.asarray(w64), route=route))
 
 
 @pytest.mark.skipif(jax.config.jax_enable_x64, reason="float64 is a valid out_dtype with jax_enable_x64")

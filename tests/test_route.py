@@ -44,6 +44,24 @@ def test_operand_spec_validation(kwargs, match):
     OperandSpec(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fmt="mxfp4", tile_2d="no"), r"tile_2d takes True or False, got 'no'"),
+    (dict(fmt="mxfp4", clip_fraction="0.5"), r"clip_fraction takes a number in \(0, 1\] or None, got '0.5'"),
+    (dict(fmt=["mxfp4"]), r"fmt takes a name \(str\), got \['mxfp4'\]"),
+])
+def test_operand_spec_types(kwargs, match):
+  """Options of the wrong type are named (a truthy string used to mean 2-D tiles silently)."""
+  with pytest.raises(TypeError, match=match):
+    OperandSpec(**kwargs)
+
+
+def test_route_names_are_strings_and_presets_read_only():
+  with pytest.raises(TypeError, match=r"a Route's name is a non-empty str .*got \['r'\]"):
+    Route(["r"], fprop_x=OperandSpec("mxfp4"), fprop_w=OperandSpec("mxfp4"))
+  with pytest.raises(TypeError):
+    routes.PRESETS["bf16"] = routes.get("mxfp4")  # would change what route="bf16" means process-wide
+
+
 def test_operand_spec_needs_key():
   assert not OperandSpec("mxfp4").needs_key
   assert not OperandSpec("mxfp4", transform="h32").needs_key

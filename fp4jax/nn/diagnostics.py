@@ -57,6 +57,21 @@ def _loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
+def _check_tokens(tokens: jax.Array, vocab_size: int) -> None:
+  """A ValueError unless `tokens` is an integer array [B, T + 1] with B, T >= 1 and, when its values are known
+  (not traced), ids in [0, vocab_size): an id out of range makes the loss, hence every dy, NaN."""
+  if not hasattr(tokens, "dtype") or not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
+    raise ValueError(f"capture_linears' tokens takes an integer array [B, T + 1] of token ids, got "
+                     f"{type(tokens).__name__} {getattr(tokens, 'dtype', '')}{list(getattr(tokens, 'shape', ()))}")
+  if tokens.shape[0] < 1 or tokens.shape[1] < 2:
+    raise ValueError(f"capture_linears' tokens [B, T + 1] needs B >= 1 and T >= 1 (inputs and next-token "
+                     f"targets), got shape {tuple(tokens.shape)}")
+  if not isinstance(tokens, jax.core.Tracer):
+    low, high = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if low < 0 or high >= vocab_size:
+      raise ValueError(f"capture_linears' tokens hold ids in [{low}, {high}], outside [0, {vocab_size=})")
+
+
 def capture_linears(model: Llama, tokens: jax.Array, key: jax.Array | None = None,
                     names: Sequence[str] | None = None) -> dict[str, GemmInputs]:
   """x [M, K], w [K, N] and dy [M, N] (float32) of the chosen linears of `model` on `tokens`.
@@ -75,6 +90,10 @@ def capture_linears(model: Llama, tokens: jax.Array, key: jax.Array | None = Non
   """
   if getattr(model, "scan_layers", False):
     raise ValueError("capture_linears needs a model built with scan_layers=False")
+  _check_tokens(tokens, model.config.vocab_size)
+  if isinstance(names, str):
+    raise TypeError(f"capture_linears' names takes a list of module paths, got the string {names!r}: "
+                    f"use [{names!r}]")
   available = linear_paths(model)
   names = list(available) if names is None else list(names)
   missing = [n for n in names if n not in available]

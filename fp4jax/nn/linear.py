@@ -19,8 +19,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
-from fp4jax.dot import fp4_dot
+from fp4jax.dot import check_out_dtype, fp4_dot
 from fp4jax.impl import Impl
+from fp4jax.numerics import prng
 from fp4jax.route import Route
 
 Initializer = Callable[..., jax.Array]
@@ -70,14 +71,22 @@ class FP4Linear(nnx.Module):
       out_dtype: Any = None,
       rngs: nnx.Rngs,
   ):
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+      if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"FP4Linear's {name} takes an int >= 1, got {size!r}")
+    if (isinstance(kernel_sharding, str) or len(kernel_sharding) != 2
+        or not all(a is None or isinstance(a, str) for a in kernel_sharding)):
+      raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out]), got "
+                       f"{kernel_sharding!r}")
     self.in_features = in_features
     self.out_features = out_features
     self.route = route_lib.get(route)
     if not isinstance(impl, Impl):
       raise TypeError(f"FP4Linear's impl= takes an fp4jax.Impl, got {impl!r}")
     self.impl = impl
-    self.dtype = dtype
-    self.out_dtype = out_dtype or dtype  # e.g. float32 logits from bf16 operands (the float32 accumulator)
+    self.dtype = check_out_dtype(dtype, "FP4Linear's dtype=")  # the operands' dtype: floating, as fp4_dot's
+    # e.g. float32 logits from bf16 operands (the float32 accumulator)
+    self.out_dtype = check_out_dtype(out_dtype or dtype, "FP4Linear's out_dtype=")
     self.param_dtype = param_dtype
     init = sharded_init(kernel_init, kernel_sharding)
     self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))  # [in, out]
@@ -89,6 +98,9 @@ class FP4Linear(nnx.Module):
 
   def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
+    if not hasattr(x, "ndim") or x.ndim < 1:
+      raise ValueError(f"FP4Linear takes an array x [..., {self.in_features}], got {type(x).__name__} "
+                       f"{getattr(x, 'shape', '')}")
     if x.shape[-1] != self.in_features:
       raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
     y = _product([self], x, key)
@@ -100,6 +112,8 @@ class FP4Linear(nnx.Module):
 def fusable(linears: Sequence[FP4Linear]) -> bool:
   """True if `fused_call` can run these layers as one product: same input size, route, implementation and
   dtypes, no bias."""
+  if not linears:
+    raise ValueError("fused_call needs at least one FP4Linear")
   first = linears[0]
   return all((m.in_features, m.route, m.impl, m.dtype, m.out_dtype) ==
              (first.in_features, first.route, first.impl, first.dtype, first.out_dtype) and m.bias is None
@@ -152,6 +166,10 @@ def fp4_dot_general(route: str | Route, key: jax.Array | None = None,
   resolved = route_lib.get(route)
   if resolved.needs_key and key is None:
     raise ValueError(f"route {resolved.name!r} needs a random key: fp4_dot_general(route, key=...)")
+  if key is not None:
+    prng.check_key(key, "fp4_dot_general")
+  if not isinstance(impl, Impl):
+    raise TypeError(f"fp4_dot_general's impl= takes an fp4jax.Impl, got {impl!r}")
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                   out_sharding=None):
@@ -159,13 +177,17 @@ def fp4_dot_general(route: str | Route, key: jax.Array | None = None,
     standard = (((lhs.ndim - 1,), (0,)), ((), ()))
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
-    if rhs.ndim != 2 or dims != standard:
+    if rhs.ndim != 2:
+      raise NotImplementedError(f"fp4_dot_general takes a 2-D rhs [K, N], got rhs.shape={rhs.shape} (e.g. "
+                                f"nnx.LinearGeneral's kernel): use nnx.Linear or FP4Linear")
+    if dims != standard:
       raise NotImplementedError(
           f"fp4_dot_general handles only x[..., K] @ w[K, N]: got lhs.shape={lhs.shape}, "
           f"rhs.shape={rhs.shape}, {dimension_numbers=}, expected {standard}")
     if out_sharding is not None:
       raise NotImplementedError(f"fp4_dot_general does not take {out_sharding=}")
-    y = fp4_dot(lhs, rhs.astype(lhs.dtype), route=resolved, key=key, impl=impl)
-    return y if preferred_element_type is None else y.astype(preferred_element_type)
+    # preferred_element_type (e.g. float32 from bf16 operands) is written straight from the float32 accumulator.
+    return fp4_dot(lhs, rhs.astype(lhs.dtype), route=resolved, key=key, impl=impl,
+                   out_dtype=preferred_element_type)
 
   return dot_general

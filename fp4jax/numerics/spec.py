@@ -84,6 +84,15 @@ class OperandSpec:
   clip_fraction: float | None = None
 
   def __post_init__(self):
+    if not isinstance(self.tile_2d, bool):  # a truthy string would silently mean 2-D tiles
+      raise TypeError(f"tile_2d takes True or False, got {self.tile_2d!r}")
+    if self.clip_fraction is not None and (not isinstance(self.clip_fraction, (int, float))
+                                           or isinstance(self.clip_fraction, bool)):
+      raise TypeError(f"clip_fraction takes a number in (0, 1] or None, got {self.clip_fraction!r}")
+    for option in ("fmt", "rounding", "transform", "scale_rule"):
+      value = getattr(self, option)
+      if value is not None and not isinstance(value, str):
+        raise TypeError(f"{option} takes a name (str), got {value!r}")
     if self.fmt is None:
       if (self.rounding, self.transform, self.tile_2d, self.scale_rule, self.clip_fraction) != (
           "rne", None, False, None, None):

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from fp4jax import route as route_lib
+from fp4jax.dot import fp4_dot
 from fp4jax.nn import FP4Linear, fp4_dot_general
 
 # [B, T, K] -> [B, T, N]; every dim a multiple of 128 so each preset route (2-D tiles, H/RHT128) applies.
@@ -36,6 +37,23 @@ def test_input_size_is_checked():
 def test_unknown_route_is_an_error():
   with pytest.raises(ValueError, match="unknown route 'fp3'"):
     FP4Linear(K, N, route="fp3", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": jnp.int8}, "FP4Linear's dtype= takes a floating-point dtype"),
+    ({"out_dtype": jnp.int32}, "FP4Linear's out_dtype= takes a floating-point dtype"),
+    ({"kernel_sharding": ("a", "b", "c")}, "kernel_sharding takes 2 mesh-axis names or None"),
+    ({"kernel_sharding": "ab"}, "kernel_sharding takes 2 mesh-axis names or None"),
+    ({"kernel_sharding": (), "use_bias": True}, "kernel_sharding takes 2 mesh-axis names or None"),
+])
+def test_bad_settings_are_named_when_the_layer_is_built(kwargs, match):
+  """Mistakes fail at construction naming the argument, not at the first call as an error about x."""
+  with pytest.raises(ValueError, match=match):
+    FP4Linear(K, N, route="mxfp4_rtn", rngs=nnx.Rngs(0), **kwargs)
+  with pytest.raises(ValueError, match="out_features takes an int >= 1, got -1"):
+    FP4Linear(K, -1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="FP4Linear takes an array x"):
+    FP4Linear(K, N, rngs=nnx.Rngs(0))(jnp.float32(1))
 
 
 def test_bf16_equals_nnx_linear_exactly():
@@ -109,11 +127,32 @@ def test_hook_needs_key_for_keyed_routes_and_uses_the_fixed_key():
   np.testing.assert_array_equal(g_ours, g_stock)
 
 
+def test_hook_writes_preferred_element_type_from_the_accumulator():
+  """nnx.Linear(preferred_element_type=float32) over bf16 operands gets the float32 product, not a bf16-rounded
+  one cast up (fp4_dot's out_dtype)."""
+  x = _x()
+  w = jax.random.normal(jax.random.key(3), (K, N), jnp.float32).astype(jnp.bfloat16)
+  dims = (((2,), (0,)), ((), ()))
+  y = fp4_dot_general("mxfp4_rtn")(x, w, dims, preferred_element_type=jnp.float32)
+  assert y.dtype == jnp.float32
+  np.testing.assert_array_equal(y, fp4_dot(x, w, route="mxfp4_rtn", out_dtype=jnp.float32))
+  assert not np.array_equal(y, y.astype(jnp.bfloat16).astype(jnp.float32))  # more than bf16 precision
+
+
+def test_hook_checks_key_and_impl_when_made():
+  with pytest.raises(ValueError, match="fp4_dot_general needs a key"):
+    fp4_dot_general("mxfp4_sr", key=3)
+  with pytest.raises(TypeError, match="fp4_dot_general's impl= takes an fp4jax.Impl"):
+    fp4_dot_general("mxfp4_rtn", impl="xla")
+  with pytest.raises(NotImplementedError, match="takes a 2-D rhs \\[K, N\\], got rhs.shape=\\(128, 4, 8\\)"):
+    nnx.LinearGeneral(K, (4, 8), dot_general=fp4_dot_general("mxfp4_rtn"), rngs=nnx.Rngs(0))(_x())
+
+
 def test_hook_rejects_other_contractions():
   dot_general = fp4_dot_general("bf16")
   x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
   with pytest.raises(NotImplementedError, match="only x\\[..., K\\] @ w\\[K, N\\]"):
     dot_general(x, w.T, (((1,), (1,)), ((), ())))
-  with pytest.raises(NotImplementedError, match="rhs.shape=\\(2, 8, 16\\)"):
+  with pytest.raises(NotImplementedError, match="2-D rhs \\[K, N\\], got rhs.shape=\\(2, 8, 16\\)"):
     dot_general(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 16)), (((2,), (1,)), ((0,), (0,))))
   np.testing.assert_array_equal(dot_general(x, w, (((1,), (0,)), ((), ()))), x @ w)
