@@ -129,11 +129,34 @@ def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]]]:
   return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])]
 
 
-def triton_seconds(modules: list[str]) -> list[float]:
-  """Cold compile seconds of each distinct Triton IR module in `modules` (sm_90, 4 warps: Pallas passes each
-  kernel's own num_warps to XLA outside the IR, so the proxy fixes one), slowest first."""
+def kernel_name(ir: str) -> str:
+  """The kernel's name in its Triton IR (a Pallas kernel's `name=`, e.g. fp4jax_nvfp4_quantize_dual)."""
+  found = re.search(r"tt\.func (?:public )?@([\w$.]+)", ir)
+  return found.group(1) if found else "?"
+
+
+def triton_seconds(modules: list[str]) -> list[tuple[str, float, int]]:
+  """(kernel name, cold compile seconds, IR characters) of each distinct Triton IR module in `modules` (sm_90,
+  4 warps: Pallas passes each kernel's own num_warps to XLA outside the IR, so the proxy fixes one), slowest
+  first. Kernels of one name differ by shape constants, dtypes or view: each distinct IR compiles anew."""
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
-  return sorted((triton.compile_ir(ir)[0] for ir in dict.fromkeys(modules)), reverse=True)
+  timed = ((kernel_name(ir), triton.compile_ir(ir)[0], len(ir)) for ir in dict.fromkeys(modules))
+  return sorted(timed, key=lambda k: -k[1])
+
+
+def _triton_lines(kernels: list[tuple[str, float, int]]) -> list[str]:
+  """The summary of `triton_seconds`, then one line per kernel name, the costliest first."""
+  seconds = [s for _, s, _ in kernels]
+  lines = [f"      triton (sm_90, `triton` package): {len(seconds)} kernels {sum(seconds):.1f} s, slowest "
+           + ", ".join(f"{s:.1f}" for s in seconds[:5]) + " s"]
+  by_name: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+  for name, s, size in kernels:
+    by_name[name].append((s, size))
+  for name, rows in sorted(by_name.items(), key=lambda kv: -sum(s for s, _ in kv[1])):
+    each = [s for s, _ in rows]
+    lines.append(f"        {name}: {len(rows)} distinct, {sum(each):.1f} s ({min(each):.1f}-{max(each):.1f} s "
+                 f"each), IR up to {max(size for _, size in rows) / 1e3:.0f}k chars")
+  return lines
 
 
 def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = False) -> dict:
@@ -163,9 +186,7 @@ def _line(name: str, p: dict) -> str:
   line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct  hlo {p['hlo'] / 1e3:.1f}k")
   if p.get("triton") is not None:
-    t = p["triton"]
-    line += (f"\n      triton (sm_90, `triton` package): {len(t)} kernels {sum(t):.1f} s, slowest "
-             + ", ".join(f"{s:.1f}" for s in t[:5]) + " s")
+    line = "\n".join([line, *_triton_lines(p["triton"])])
   return "\n".join([line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))])
 
 
