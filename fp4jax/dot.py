@@ -83,6 +83,9 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
       and w's dtypes.
   Any M, K, N: where the route needs whole blocks (`padding_multiples`), x and w are zero-padded inside and
   the result sliced back, forward and backward, which is exact; the padded work costs its share of time.
+  Differentiable in reverse mode (jax.grad, jax.vjp: a custom_vjp); forward mode (jax.jvp) is not defined.
+  A NaN or inf input makes its whole scale unit NaN (block, 2-D tile, or tensor for per-tensor scales),
+  docs/NUMERICS.md "Special values".
   Returns:
     [..., N] in out_dtype.
   """
