@@ -80,10 +80,7 @@ def run_inputs(run_dir: str, tokens: tuple[int, int], linears: list[str], seed: 
 
   trained = restore.load(run_dir, route="bf16", scan_layers=False)  # the trained weights, exact activations
   batch = tokens[0]
-  try:
-    ids = trained.heldout_batch(batch, log=None)
-  except UserError as e:
-    raise UserError(f"bench diagnose: --tokens asks for {batch} held-out windows: {e}") from e
+  ids = trained.heldout_batch(batch, log=None, asked_by="bench diagnose: --tokens")
   inputs = capture_linears(trained.model, ids, jax.random.key(seed), names=None if linears == ["all"] else linears)
   cfg = trained.config
   return inputs, (f"run {run_dir} (Llama {cfg.model.preset} at step {trained.step}, run in bf16) on {batch} x "

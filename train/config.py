@@ -393,8 +393,7 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral
                      ) -> list[str]:
   """'key: saved -> now' for every result-relevant setting that differs between two `to_dict` trees (settings in
   RESULT_NEUTRAL, or in `also_neutral`, are left out)."""
-  neutral = {k: RESULT_NEUTRAL.get(k, set()) | (also_neutral or {}).get(k, set())
-             for k in {*RESULT_NEUTRAL, *(also_neutral or {})}}
+  also_neutral = also_neutral or {}
   out = []
   for section, value in now.items():
     old = saved.get(section)
@@ -402,8 +401,9 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral
       out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
       continue
     old = old if isinstance(old, dict) else {}
+    neutral = RESULT_NEUTRAL.get(section, set()) | also_neutral.get(section, set())
     out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
-            if k not in neutral.get(section, ()) and old.get(k) != v]
+            if k not in neutral and old.get(k) != v]
   return out
 
 

@@ -28,15 +28,18 @@ class TrainedRun:
   config: config_lib.Config
   step: int
 
-  def heldout_batch(self, batch_size: int, *, log: TextIO | None = sys.stderr) -> np.ndarray:
+  def heldout_batch(self, batch_size: int, *, log: TextIO | None = sys.stderr,
+                    asked_by: str = "heldout_batch") -> np.ndarray:
     """int32 [batch_size, seq_len + 1]: the first `batch_size` windows of the run's held-out tokens (tokenized,
-    or read from the token cache), text its evaluation read and its training did not."""
+    or read from the token cache), text its evaluation read and its training did not. Fewer windows than that is
+    a UserError that starts with `asked_by`, the setting that asked for them."""
     cfg = self.config
     _, eval_tokens, _ = data.load_splits(cfg.data, log=log)
     windows = (len(eval_tokens) - 1) // cfg.data.seq_len
     if windows < batch_size:  # eval_windows' own message would blame data.batch_size, which this is not
-      raise UserError(f"the run's held-out split has {len(eval_tokens):,} tokens: {windows} windows of its "
-                      f"data.seq_len={cfg.data.seq_len}, fewer than the {batch_size} asked for")
+      raise UserError(f"{asked_by} asks for {batch_size} held-out windows: the run's held-out split has "
+                      f"{len(eval_tokens):,} tokens: {windows} windows of its data.seq_len={cfg.data.seq_len}, "
+                      f"fewer than the {batch_size} asked for")
     (batch,) = data.eval_windows(eval_tokens, cfg.data.seq_len, batch_size, 1)
     return np.asarray(batch, np.int32)
 

@@ -364,14 +364,14 @@ def _main(args: argparse.Namespace) -> int:
     os.makedirs(runs_dir, exist_ok=True)
   except OSError as e:
     raise UserError(f"study.results={s.results!r} cannot hold the run records ({e})") from e
-  study_records(study)  # records made with other settings stop the call before any training
+  records, notes = study_records(study)  # records made with other settings stop the call before any training
   failed = []
   if not args.report:
     jax = main_lib.start_jax(study.runs[0].cfg)
     failed = run_study(study, runs)
     if jax.process_index():
       return main_lib.EXIT_FAILED_RUN if failed else 0
-  records, notes = study_records(study)
+    records, notes = study_records(study)  # with the records this call added
   table = study_report.write(s.results, [e.name for e in study.entries], s.baseline, records, notes)
   print(table)
   print(f"[study] report: {os.path.join(s.results, study_report.TABLE)} (plots beside it)", file=sys.stderr)
