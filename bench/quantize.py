@@ -26,7 +26,7 @@ from fp4jax import route as route_lib
 from fp4jax.numerics import fp8 as fp8_encoding
 from fp4jax.numerics import reference
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
-from fp4jax.ops.quantize import xla
+from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import eden, fp8, mxfp4, nvfp4
 from fp4jax.ops.quantize.pallas.fp8 import Fp8Tile
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
@@ -40,13 +40,15 @@ class Variant:
   """One fused pass to check and time: the row view's and the column view's spec (one keys object for both
   when they are equal, as fp4_dot passes for one recipe), an explicit kernel tile or the default, the FP8
   re-encoding of both views after it (MXFP4), or MS-EDEN's options (`eden.operand`: both views of dY, each
-  its own launch pair)."""
+  its own launch pair). `axis`: one operand only, `row` along that axis (1: the row view, 0: the column view)
+  through the dispatch fp4_dot uses for one operand (`ops.quantize.pallas.operand`)."""
 
   row: OperandSpec
   col: OperandSpec
   tile: QuantTile | None = None
   fp8: bool = False
   eden: dict | None = None
+  axis: int | None = None
 
 
 _MX, _MX_SR = OperandSpec("mxfp4", scale_rule="ocp"), OperandSpec("mxfp4", "sr", scale_rule="noclip")
@@ -74,7 +76,10 @@ VARIANTS: dict[str, Variant] = {
     "nv X rne|rne+rht16": Variant(_NV, OperandSpec("nvfp4", transform="rht16")),  # the nvfp4 route's X
     "nv dY sr|sr+rht16": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16")),  # and its dY
     "nv W 16x16": Variant(OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),  # and its W
-    "nv 4/6": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),  # quartet2's forward X and W
+    "nv 4/6": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),  # both views in one pass
+    # quartet2's forward X (along K) and W (along K = its column view): one view each
+    "nv 4/6 row view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=1),
+    "nv 4/6 column view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=0),
     # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each
     "eden dY rht128": Variant(_EDEN, _EDEN, eden={}),
     "eden dY rht128 c32w4": Variant(_EDEN, _EDEN, eden=dict(block_c=32)),
@@ -110,6 +115,8 @@ def _keys(v: Variant, key: jax.Array) -> tuple[OperandKeys, OperandKeys]:
 def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
   """The fused pass(es) of a variant: (row view, column view) [+ (row FP8, column FP8)]."""
   row_keys, col_keys = _keys(v, key)
+  if v.axis is not None:
+    return pallas.operand(x, v.row, v.axis, row_keys, interpret=interpret)
   if v.eden is not None:
     return tuple(eden.operand(x, spec, axis, k, interpret=interpret, **v.eden)
                  for spec, axis, k in ((v.row, 1, row_keys), (v.col, 0, col_keys)))
@@ -123,6 +130,8 @@ def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
 def _reference(v: Variant, x: jax.Array, key: jax.Array):
   """The XLA reference of `_views`."""
   row_keys, col_keys = _keys(v, key)
+  if v.axis is not None:
+    return xla.operand(x, v.row, v.axis, row_keys)
   out = (xla.operand(x, v.row, 1, row_keys), xla.operand(x, v.col, 0, col_keys))
   if v.fp8:
     out = (*out, tuple(fp8_encoding.mx_to_fp8(q) for q in out))
@@ -203,7 +212,7 @@ def _check_and_time(label, variant: Variant, x, key, interpret, xla_times, rows,
   bad = _mismatches(got, ref(x, key))
   ok = "ok" if not any(bad.values()) else f"MISMATCH {bad}"
   moved = x.size * x.dtype.itemsize + timing.tree_nbytes(got)
-  base = (variant.row, variant.col, variant.fp8)
+  base = (variant.row, variant.col, variant.fp8, variant.axis)
   if base not in xla_times:
     xla_times[base] = t_xla = _time(ref, x, key)
     rows.append((f"{x.shape[0]}x{x.shape[1]}", f"xla ref {label}", t_xla, moved, moved / t_xla,

@@ -26,6 +26,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from bench import args as args_lib
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.ops.quantize import pallas
 from fp4jax.ops.quantize.pallas import amax, eden, mxfp4, nvfp4
 from train.errors import UserError
 
@@ -50,6 +51,9 @@ KERNELS = {
     "nv rne|rne": lambda x: nvfp4.views(x, _NV, _NV),
     "nv 16x16": lambda x: nvfp4.views(x, OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),
     "nv 4/6": lambda x: nvfp4.views(x, OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),
+    "nv 4/6 row view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 1, OperandKeys(), interpret=False),
+    "nv 4/6 column view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 0, OperandKeys(),
+                                                   interpret=False),
     "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
                                                _keys()),
     # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.

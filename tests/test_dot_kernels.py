@@ -10,23 +10,28 @@ from fp4jax import Impl
 from fp4jax.dot import fp4_dot
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.ops.quantize import pallas, xla
+from fp4jax.ops.quantize.pallas import mxfp4, nvfp4
 
 INTERPRET, XLA = Impl(quantizer="interpret"), Impl(quantizer="xla")
 
 
-def _pallas_launches(jaxpr) -> int:
-  """pallas_call equations in a jaxpr, counting each call of a shared sub-jaxpr (printed once) every time."""
-  n = 0
+def _pallas_calls(jaxpr) -> list:
+  """pallas_call equations in a jaxpr, listing each call of a shared sub-jaxpr (printed once) every time."""
+  calls = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
-      n += 1
+      calls.append(eqn)
       continue
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
         if hasattr(sub, "eqns"):
-          n += _pallas_launches(sub)
-  return n
+          calls += _pallas_calls(sub)
+  return calls
+
+
+def _pallas_launches(jaxpr) -> int:
+  return len(_pallas_calls(jaxpr))
 
 
 def _value_and_grads(route, x, w, key, impl):
@@ -97,6 +102,24 @@ def test_kernels_on_a_gpu_backend_and_none_with_xla(quantizer, monkeypatch):
   assert launches == {route: n if quantizer == "auto" else 0 for route, n in LAUNCHES.items()}
   # In XLA: X's and dY's wgrad views (H32 twice, RHT16 twice), quartet2's four RHT128 operands.
   assert len(xla_hadamards) == (0 if quantizer == "auto" else 8)
+
+
+def test_one_operand_launches_write_one_view():
+  """quartet2's forward needs X and W along K only (its backward re-quantizes the dequantized values), and an
+  evaluation's forward the fprop operands only: each such 4/6 or MXFP4 launch computes and writes one view
+  (codes and scales: two outputs), not both views of which one was thrown away."""
+  x, w = jnp.ones((128, 128), jnp.bfloat16), jnp.ones((128, 128), jnp.bfloat16)
+  key = jax.random.key(0)
+  trace = lambda route, f: [(e.params["name"], len(e.outvars))  # the dual-view kernels' launches
+                            for e in _pallas_calls(jax.make_jaxpr(f(route))(x, w).jaxpr)
+                            if e.params["name"] in (mxfp4.KERNEL_NAME, nvfp4.KERNEL_NAME)]
+  train = lambda route: lambda x, w: jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=INTERPRET),
+                                             x, w)[0]
+  evaluate = lambda route: lambda x, w: fp4_dot(x, w, route=route, key=key, impl=INTERPRET)
+  assert trace("quartet2", train) == [(nvfp4.KERNEL_NAME, 2)] * 2
+  assert trace("quartet2", evaluate) == [(nvfp4.KERNEL_NAME, 2)] * 2
+  assert trace("mxfp4", evaluate) == [(mxfp4.KERNEL_NAME, 2)] * 2
+  assert trace("mxfp4", train) == [(mxfp4.KERNEL_NAME, 4), (mxfp4.KERNEL_NAME, 2)]  # X both views, W tiles
 
 
 @pytest.mark.gpu

@@ -165,37 +165,55 @@ def pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[in
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
 
 
-def view_outputs(m: int, k: int, t: QuantTile, block: int) -> tuple[tuple, tuple]:
+ROW, COLUMN = (True, False), (False, True)  # `write` of a one-view launch
+BOTH = (True, True)
+
+
+def view_outputs(m: int, k: int, t: QuantTile, block: int, write: tuple[bool, bool] = BOTH) -> tuple[tuple, tuple]:
   """(out_shape, out_specs) of a dual-view kernel on x [M, K] with `block` elements per scale: row codes
   [M/2, 2, K/2], row scales [M/2, 2, K/block], column codes [K/2, 2, M/2], column scales [K/2, 2, M/block],
-  each a free reshape of its QTensor array, tiled per program as the x tile [bm/2, 2, bk/2] dictates."""
+  each a free reshape of its QTensor array, tiled per program as the x tile [bm/2, 2, bk/2] dictates; only the
+  views `write` (row, column) names."""
   h, w, per = t.block_m // 2, t.block_k // 2, block // 2
   outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
           ((m // 2, 2, k // block), (h, 2, w // per), lambda i, j: (i, 0, j)),
           ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
           ((k // 2, 2, m // block), (w, 2, h // per), lambda i, j: (j, 0, i))]
+  outs = [o for i, o in enumerate(outs) if write[i // 2]]
   return (tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
           tuple(pl.BlockSpec(b, index) for _, b, index in outs))
 
 
 def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int):
-  """`view_outputs`' four arrays reshaped to the QTensor layouts (free)."""
-  return rc.reshape(m, k // 2), rs.reshape(m, k // block), cc.reshape(k, m // 2), cs.reshape(k, m // block)
+  """`view_outputs`' four arrays reshaped to the QTensor layouts (free); None stays None (a view not written)."""
+  shapes = ((m, k // 2), (m, k // block), (k, m // 2), (k, m // block))
+  return tuple(None if a is None else a.reshape(shape) for a, shape in zip((rc, rs, cc, cs), shapes))
 
 
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
-                   name: str):
+                   name: str, write: tuple[bool, bool] = BOTH):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
 
   The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x as uint32 words of two bf16
   neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then `view_outputs`' four
-  outputs; returns the row codes, row scales, column codes and column scales in the QTensor layouts.
+  output refs, None for a view that `write` (row, column) leaves out: the kernel skips that view's work, so a
+  launch for one operand (fp4_dot's `quantize_operand`: quartet2's forward X and W, an evaluation's
+  operands) neither computes nor stores the other. Returns the row codes, row scales, column codes and column
+  scales in the QTensor layouts (None where not written).
   """
+  if not any(write):
+    raise ValueError("dual_view_call: write names no view")
   m, k = x.shape
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  out_shape, out_specs = view_outputs(m, k, t, block)
-  outs = pl.pallas_call(
-      kernel,
+  out_shape, out_specs = view_outputs(m, k, t, block, write)
+  n_in = len(params) + 1
+
+  def body(*refs):
+    outs = iter(refs[n_in:])
+    kernel(*refs[:n_in], *[next(outs) if write[i // 2] else None for i in range(4)])
+
+  outs = iter(pl.pallas_call(
+      body,
       out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),
       in_specs=[spec for _, spec in params] + [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2),
@@ -204,8 +222,8 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=interpret,
       name=name,
-  )(*[a for a, _ in params], xw)
-  return view_arrays(*outs, m, k, block)
+  )(*[a for a, _ in params], xw))
+  return view_arrays(*[next(outs) if write[i // 2] else None for i in range(4)], m, k, block)
 
 
 def sign_words(transform: str | None, key: jax.Array | None, words: int = SIGN_WORDS) -> jax.Array:

@@ -60,7 +60,7 @@ _E_MIN, _E_MAX = -127, MX_E_MAX
 class DualConfig:
   """Static options of one launch (hashable: crosses jit as one object). row / col: the views' specs with
   their scale rule filled in; shared_bits: both views use SR with the same key, so each element's random bits
-  are drawn once."""
+  are drawn once; write: which views (row, column) the launch computes and stores (`common.dual_view_call`)."""
 
   row: OperandSpec
   col: OperandSpec
@@ -68,6 +68,7 @@ class DualConfig:
   shared_bits: bool = False
   tile: QuantTile = QuantTile()
   interpret: bool = False
+  write: tuple[bool, bool] = common.BOTH
 
   @property
   def needs_params(self) -> bool:
@@ -173,7 +174,7 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: OperandSpec):
 
 
 def _dual_kernel(*refs, cfg: DualConfig, k: int):
-  """One tile of x as bf16 pairs -> both views.
+  """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along
   K (the even one in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
@@ -184,22 +185,29 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k)
-  row_r24 = common.random_bits(seed_ref, 0, index, cfg.row.rounding)
+  write_row, write_col = cfg.write
+  shared = cfg.shared_bits and cfg.col.rounding == "sr"
+  # The row seed's bits: the row view's, and the column view's too when shared (or for 2-D tiles).
+  row_r24 = common.random_bits(seed_ref, 0, index, cfg.row.rounding if write_row or shared or cfg.tile_2d
+                               else "rne")
   if cfg.tile_2d:
     row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, row_r24, h, w, cfg.row)
     for p in range(2):
-      rc_ref[:, p, :] = row_codes[p]
-      rs_ref[:, p, :] = row_scales
-      cc_ref[:, p, :] = col_codes[p]
-      cs_ref[:, p, :] = col_scales
+      if write_row:
+        rc_ref[:, p, :] = row_codes[p]
+        rs_ref[:, p, :] = row_scales
+      if write_col:
+        cc_ref[:, p, :] = col_codes[p]
+        cs_ref[:, p, :] = col_scales
     return
   # Row view (blocks of 32 along K = 16 column pairs): row parity p packs columns (2j, 2j + 1).
-  for p in range(2):
+  for p in range(2 if write_row else 0):
     codes, scales = _view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], row_r24[p, 0], row_r24[p, 1],
                           (h, w // 16, 16), 2, cfg.row)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/16]
-  shared = cfg.shared_bits and cfg.col.rounding == "sr"
+  if not write_col:
+    return
   col_r24 = row_r24 if shared else common.random_bits(seed_ref, 1, index, cfg.col.rounding)
   if cfg.col.transform:
     negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)  # the Hadamard's sign word
@@ -230,7 +238,7 @@ def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: OperandSpec):
 def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
   extra = [(params, pl.BlockSpec((5,), lambda i, j: (0,)))] if cfg.needs_params else []
   return common.dual_view_call(functools.partial(_dual_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
-                               extra, interpret=cfg.interpret, name=KERNEL_NAME)
+                               extra, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write)
 
 
 def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]:
@@ -240,15 +248,16 @@ def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]
 
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
-          col_keys: OperandKeys = OperandKeys(), *, tile: QuantTile | None = None,
-          interpret: bool = False) -> tuple[QTensor, QTensor]:
+          col_keys: OperandKeys = OperandKeys(), *, tile: QuantTile | None = None, interpret: bool = False,
+          write: tuple[bool, bool] = common.BOTH) -> tuple[QTensor | None, QTensor | None]:
   """Both MXFP4 views of a bf16 x[M, K] from one fused pass, each with its own recipe.
 
   Equal bit for bit to `(reference.quantize(x, "mxfp4", axis=-1, ...row's options, key=row_keys.rounding),
   reference.quantize(hadamard(x, col.transform, axis=0, key=col_keys.transform) if col.transform else x,
   "mxfp4", axis=0, ...col's options, key=col_keys.rounding))`. Passing the same key object as both views'
-  rounding key draws each element's random bits once for both. Raises NotImplementedError where `check`
-  does; `interpret=True` runs the kernel in Pallas interpret mode (CPU).
+  rounding key draws each element's random bits once for both. `write` (row, column): the views to compute,
+  None in place of the other (`common.ROW`, `common.COLUMN`: one operand, half the kernel's work). Raises
+  NotImplementedError where `check` does; `interpret=True` runs the kernel in Pallas interpret mode (CPU).
   """
   check(x, row, col, row_keys, col_keys)
   m, k = x.shape
@@ -257,7 +266,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   tile.check(m, k, BLOCK)
   row_key, col_key = row_keys.rounding, col_keys.rounding
   cfg = DualConfig(row, col, tile_2d=row.tile_2d, shared_bits=row_key is not None and row_key is col_key,
-                   tile=tile, interpret=interpret)
+                   tile=tile, interpret=interpret, write=tuple(write))
   params = None  # [row seed words, column seed words, Hadamard sign mask]
   if cfg.needs_params:
     zero = (jnp.uint32(0), jnp.uint32(0))
@@ -266,5 +275,5 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     mask = common.sign_words(col.transform, col_keys.transform, 1)[0]
     params = jnp.stack([*words[0], *words[1], mask])
   rc, rs, cc, cs = _dual_call(x, params, cfg)
-  return (QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k)),
-          QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k)))
+  return (QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k)) if cfg.write[0] else None,
+          QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k)) if cfg.write[1] else None)

@@ -45,7 +45,9 @@ parameter row), the codes under each, their squared errors (q * s_b - x * S_enc)
 halving order, the lower kept (ties: 6). x * S_enc and the squares feed a difference and sums, so they are
 PTX mul.rn.f32 (`exact`), which no FMA contraction can merge; q * s_b is exact. Equal to the reference on an
 H200 (`test_gpu_four_over_six_matches_reference`), so in fp4_dot's dispatch (`pallas.VIEW_KERNELS`): quartet2's
-forward operands.
+forward operands, X along K and W along K, each a launch of one view (`write`), since quartet2's backward
+re-quantizes the dequantized values; the 4/6 view is most of the kernel (Triton IR of 2.8k lines for one view,
+5.5k for both: `python -m bench triton "nv 4/6" "nv 4/6 row view" "nv 4/6 column view"`).
 
 Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x, the column view's over
 `tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
@@ -102,6 +104,7 @@ class NvDualConfig:
   """Static options of one fused NVFP4 launch (hashable: crosses jit as one object).
 
   tile_2d: one scale per 16x16 tile; row_rounding (== col_rounding) and the row seed serve both views.
+  write: which views (row, column) the launch computes and stores (`common.dual_view_call`).
   """
 
   fmt: str = "nvfp4"
@@ -111,6 +114,7 @@ class NvDualConfig:
   col_transform: str | None = None
   tile: QuantTile = QuantTile()
   interpret: bool = False
+  write: tuple[bool, bool] = common.BOTH
 
 
 def _pick_tile(m: int, k: int, fmt: str, rounding: str, tile_rows: int) -> QuantTile:
@@ -241,20 +245,25 @@ def _tile_codes(mag, sign, r24, amax, p_ref, rounding: str, tiles: tuple[int, in
 
 def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> None:
   """Packs `_tile_codes` results both ways: row parity p packs columns (2j, 2j+1), column parity q rows
-  (2i, 2i+1), transposed; every row (column) of a tile repeats the tile's scale, as in the reference."""
-  (rcodes, rscale), (ccodes, cscale) = row, col
-  rscale = jnp.broadcast_to(rscale, (h // 8, 8, w // 8, 1)).reshape(h, w // 8).astype(jnp.uint8)
-  cscale = jnp.broadcast_to(cscale, (h // 8, 1, w // 8, 8)).reshape(h // 8, w).T.astype(jnp.uint8)
-  for p in range(2):
-    rc_ref[:, p, :] = (rcodes[p, 0] | (rcodes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8)  # [h, w]
-    rs_ref[:, p, :] = rscale  # [h, w/8]
-    cc_ref[:, p, :] = (ccodes[0, p] | (ccodes[1, p] << 4)).reshape(h, w).T.astype(jnp.uint8)  # [w, h]
-    cs_ref[:, p, :] = cscale  # [w, h/8]
+  (2i, 2i+1), transposed; every row (column) of a tile repeats the tile's scale, as in the reference. A view
+  whose refs are None (not written) is skipped."""
+  if rc_ref is not None:
+    rcodes, rscale = row
+    rscale = jnp.broadcast_to(rscale, (h // 8, 8, w // 8, 1)).reshape(h, w // 8).astype(jnp.uint8)
+    for p in range(2):
+      rc_ref[:, p, :] = (rcodes[p, 0] | (rcodes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8)  # [h, w]
+      rs_ref[:, p, :] = rscale  # [h, w/8]
+  if cc_ref is not None:
+    ccodes, cscale = col
+    cscale = jnp.broadcast_to(cscale, (h // 8, 1, w // 8, 8)).reshape(h // 8, w).T.astype(jnp.uint8)
+    for p in range(2):
+      cc_ref[:, p, :] = (ccodes[0, p] | (ccodes[1, p] << 4)).reshape(h, w).T.astype(jnp.uint8)  # [w, h]
+      cs_ref[:, p, :] = cscale  # [w, h/8]
 
 
 def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
                k: int):
-  """One tile of x as bf16 pairs -> both views.
+  """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
   sign word (`common.sign_words`). prow_ref / pcol_ref: float32
@@ -266,22 +275,25 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k)
 
-  r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding)
+  r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding if cfg.write[0] or cfg.tile_2d else "rne")
   if cfg.tile_2d:  # one scale per 16x16 tile: 8 row pairs x 8 column pairs; both views draw the row seed's bits
     tiles = (h // 8, 8, w // 8, 8)  # (tile row, row pair, tile column, column pair)
     amax = functools.reduce(jnp.maximum, mag.values()).reshape(tiles)
     amax = jnp.max(jnp.max(amax, axis=3, keepdims=True), axis=1, keepdims=True)  # [h/8, 1, w/8, 1]
-    row = _tile_codes(mag, sign, r24, amax, prow_ref, cfg.row_rounding, tiles)
     # "nvfp4": one S_enc for both views, so one set of codes; "nvfp4_tile": each view's own S_enc.
-    col = row if cfg.fmt == "nvfp4" else _tile_codes(mag, sign, r24, amax, pcol_ref, cfg.row_rounding, tiles)
+    codes = functools.partial(_tile_codes, mag, sign, r24, amax, rounding=cfg.row_rounding, tiles=tiles)
+    row = codes(prow_ref) if cfg.write[0] or cfg.fmt == "nvfp4" else None
+    col = row if cfg.fmt == "nvfp4" else (codes(pcol_ref) if cfg.write[1] else None)
     _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h, w)
     return
   view = functools.partial(_view_46, interpret=cfg.interpret) if cfg.fmt == "nvfp4_46" else _view
-  for p in range(2):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
+  for p in range(2 if cfg.write[0] else 0):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
     codes, scales = view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
                           (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/8]
+  if not cfg.write[1]:
+    return
   r24 = common.random_bits(seed_ref, 1, index, cfg.col_rounding)
   if cfg.col_transform is not None:  # the column view of hadamard(x, axis=0): the same butterfly as MXFP4's
     n = hadamard.KINDS[cfg.col_transform].n
@@ -303,7 +315,7 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
             (prow, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0))),
             (pcol, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)))]
   return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
-                               params, interpret=cfg.interpret, name=KERNEL_NAME)
+                               params, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
@@ -356,7 +368,8 @@ def _rounding(row: OperandSpec, col: OperandSpec) -> str:
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
           col_keys: OperandKeys = OperandKeys(), *, tensor_amax: jax.Array | None = None, tile_rows: int = 128,
-          tile: QuantTile | None = None, interpret: bool = False) -> tuple[QTensor, QTensor]:
+          tile: QuantTile | None = None, interpret: bool = False,
+          write: tuple[bool, bool] = common.BOTH) -> tuple[QTensor | None, QTensor | None]:
   """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
 
   Equal bit for bit to `reference.quantize(x, row.fmt, axis=-1, rounding=row.rounding, key=row_keys.rounding,
@@ -364,8 +377,10 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   axis 0 (of `hadamard(x, col.transform, axis=0, key=col_keys.transform)` with a transform). With 2-D tiles
   and "nvfp4" both views hold the same codes, computed once. `tensor_amax` ("nvfp4", no transform): a
   precomputed amax; else `amax.bf16_amax(x)` runs first (one XLA reduction). A transformed column view's amax
-  comes from a first Pallas pass that runs the same butterfly (`amax.rotated_amax`). Raises
-  NotImplementedError where `check` does; `interpret=True` runs the kernels in Pallas interpret mode (CPU).
+  comes from a first Pallas pass that runs the same butterfly (`amax.rotated_amax`). `write` (row, column):
+  the views to compute, None in place of the other (`common.ROW`, `common.COLUMN`: one operand, half the
+  kernel's work, and only the amax pass that view reads). Raises NotImplementedError where `check` does;
+  `interpret=True` runs the kernels in Pallas interpret mode (CPU).
   """
   check(x, row, col, row_keys, col_keys, tile_rows=tile_rows)
   fmt, transform = row.fmt, col.transform
@@ -382,11 +397,16 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     col_key = row_key  # one draw per element serves both views (`check` made sure they share the key)
   mask = common.sign_words(transform, col_keys.transform, 1)
   seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), mask])
+  write_row, write_col = write
   if fmt in _GLOBAL:
-    amax = amax_lib.bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
+    rotated = transform is not None and write_col
+    amax = None
+    if write_row or not rotated:
+      amax = amax_lib.bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
     row_amax = col_amax = amax
-    if transform is not None:  # the rotated view's own amax: a Pallas pass with the same butterfly first
+    if rotated:  # the rotated view's own amax: a Pallas pass with the same butterfly first
       col_amax = amax_lib.rotated_amax(x, transform, col_keys.transform, axis=0, interpret=interpret)
+      row_amax = col_amax if amax is None else amax  # a view not written: any parameters will do
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = _view_params((row_amax, col_amax), (row.rounding, col.rounding),
@@ -395,9 +415,10 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
-                     col_transform=transform, tile=tile, interpret=interpret)
+                     col_transform=transform, tile=tile, interpret=interpret, write=tuple(write))
   rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
   e4m3 = jnp.float8_e4m3fn
-  row_q = QTensor(rc, jax.lax.bitcast_convert_type(rs, e4m3), row_outer, fmt=fmt, axis=1, shape=(m, k))
-  col_q = QTensor(cc, jax.lax.bitcast_convert_type(cs, e4m3), col_outer, fmt=fmt, axis=0, shape=(m, k))
-  return row_q, col_q
+  view = lambda codes, scales, outer, axis: QTensor(codes, jax.lax.bitcast_convert_type(scales, e4m3), outer,
+                                                    fmt=fmt, axis=axis, shape=(m, k))
+  return (view(rc, rs, row_outer, 1) if write_row else None,
+          view(cc, cs, col_outer, 0) if write_col else None)
