@@ -229,11 +229,13 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   shardings = nnx.get_named_sharding(abstract, mesh)
   with jax.set_mesh(mesh):
     state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
+  # The keys are arguments of the jitted steps, not constants inside them: a constant key would make the
+  # program, and so its persistent-cache entry, differ per run.seed (a study's second seed compiled afresh).
   base_key = jax.random.key(cfg.run.seed)
   eval_key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), 0)
 
   @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, None, None))
-  def train_step(state, batch, step):
+  def keyed_train_step(state, batch, step, base_key):
     model, optimizer = nnx.merge(graphdef, state)
     key = jax.random.fold_in(base_key, step)
     loss, grads = nnx.value_and_grad(cross_entropy)(model, batch, key)
@@ -241,9 +243,12 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
     return nnx.state((model, optimizer)), loss, optax.tree.norm(grads)
 
   @jax.jit
-  def eval_step(state, batch):
+  def keyed_eval_step(state, batch, eval_key):
     model, _ = nnx.merge(graphdef, state)
     return cross_entropy(model, batch, eval_key)
+
+  train_step = functools.partial(keyed_train_step, base_key=base_key)  # (state, batch, step)
+  eval_step = functools.partial(keyed_eval_step, eval_key=eval_key)  # (state, batch)
 
   @jax.jit
   def all_finite(state):

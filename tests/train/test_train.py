@@ -225,6 +225,21 @@ def test_main_sets_xla_flags_and_the_compilation_cache(tmp_path, monkeypatch):
     jax.config.update("jax_compilation_cache_dir", saved)
 
 
+def test_the_compiled_steps_do_not_depend_on_the_seed(tmp_path):
+  """The keys are arguments of the jitted steps: runs that differ only in run.seed (a study's seeds) lower to
+  the same program, so the second one finds the first one's persistent-cache entry. A key closed over by the
+  step was a constant in it, so every seed of a keyed route (SR, Hadamard signs) compiled afresh."""
+  texts = []
+  for seed in (0, 1):
+    cfg = tiny_cfg(tmp_path, "route=mxfp4", "kernels.quantizer=xla", f"run.seed={seed}")  # SR: keyed
+    ts = train.init_train_state(cfg, 257, train.make_mesh((1, 1), jax.devices()[:1]))
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
+    step, evaluate = ts.train_step, ts.eval_step
+    texts.append((step.func.lower(ts.state, batch, jnp.int32(0), **step.keywords).as_text(),
+                  evaluate.func.lower(ts.state, batch, **evaluate.keywords).as_text()))
+  assert texts[0] == texts[1]
+
+
 _SHARDED = textwrap.dedent("""
   import json, sys
   import jax, jax.numpy as jnp, numpy as np
