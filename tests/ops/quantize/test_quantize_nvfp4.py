@@ -9,7 +9,7 @@ import pytest
 
 from fp4jax.numerics import ieee, reference
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
-from fp4jax.ops.quantize import xla
+from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import amax, nvfp4
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 from quantize_inputs import INPUTS, assert_same, rng_for
@@ -151,6 +151,21 @@ def test_triton_lowering_has_no_float_division(row, col, triton_modules):
   modules = triton_modules(lambda x: nvfp4.views(x, row, col, keys, keys), (256, 256))
   assert len(modules) == 1 and "tt.load" in modules[0]
   assert "divf" not in modules[0] and "fdiv" not in modules[0]
+
+
+def test_one_view_launches_are_one_kernel_whatever_the_shape(triton_modules):
+  """quartet2's forward operands (4/6 along K of x [M, K], and of w [K, N] along K = axis 0) at three model
+  widths lower to ONE Triton kernel: one-view launches run on the canonical layout (`pallas.CANONICAL_K`),
+  a column view as x^T along K, so the IR no longer holds the operand's extents (it used to be one kernel per
+  shape and view: six in quartet2's 30M step)."""
+  spec = S("nvfp4_46")
+  irs = set()
+  for shape in ((256, 384), (512, 1024), (1024, 256)):
+    for axis in (1, 0):
+      modules = triton_modules(lambda x: pallas.operand(x, spec, axis, OperandKeys(), interpret=False), shape)
+      assert len(modules) == 1
+      irs.add(modules[0])
+  assert len(irs) == 1
 
 
 @pytest.mark.parametrize("row,col,x,why", [

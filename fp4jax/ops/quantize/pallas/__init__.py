@@ -2,9 +2,21 @@
 
 `views` (both views of a 2-D array from one pass) looks the kernel up by format in `VIEW_KERNELS`; `operand`
 (one view) launches that kernel for the one view (`write`: it skips the other's work and stores), else a
-single-view kernel by rounding (`OPERAND_KERNELS`). Every kernel raises NotImplementedError for a case it does not cover, so
-`ops.quantize.api` can fall back to the XLA reference. One file per kernel family (`mxfp4`, `nvfp4`, `eden`,
-the amax pre-passes in `amax`, the FP8 re-encoding in `fp8`), their shared helpers in `common`.
+single-view kernel by rounding (`OPERAND_KERNELS`). Every kernel raises NotImplementedError for a case it does
+not cover, so `ops.quantize.api` can fall back to the XLA reference. One file per kernel family (`mxfp4`,
+`nvfp4`, `eden`, the amax pre-passes in `amax`, the FP8 re-encoding in `fp8`), their shared helpers in `common`.
+
+One view, one kernel. A Pallas kernel's Triton IR holds its operand's extents and strides as constants, so
+every operand shape used to be its own kernel to compile (quartet2's 30M step: six 4/6 kernels). A one-view
+launch along K of a format without per-row state (`_FLAT_ROWS`) therefore reads x [M, K] as the same bytes
+shaped [M * K / CANONICAL_K, CANONICAL_K]: its blocks never straddle a row of either shape (K and CANONICAL_K
+are multiples of the block), the per-tensor scale is the same, and the kernels key SR draws by the flat index,
+which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the operand's
+shape. A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
+the same blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index,
+which the transpose changes, so SR column views keep the column kernel). XLA's transpose is one cheap pass
+(for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the
+4/6 column view 2.7-2.9x slower than the row view on the H200 (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ from typing import Callable
 import jax
 
 from fp4jax.numerics.qtensor import QTensor
-from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.numerics.spec import ROUNDINGS, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4
 
 # Dual-view kernels by format.
@@ -41,22 +53,50 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
 
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool) -> QTensor:
   """One view of a 2-D x along `axis` (0 or 1): a dual-view kernel launched for that view alone (it neither
-  computes nor stores the other), else a single-view kernel's.
-
-  The unwritten view is given the same recipe without its transform (the dual-view kernels rotate column
-  views only), so a Hadamard column view of one operand is covered as in a pair."""
+  computes nor stores the other; along K on the canonical layout, along M as x^T along K where the bits allow:
+  module docstring), else a single-view kernel's."""
   kernel = VIEW_KERNELS.get(spec.fmt)
-  if kernel is not None:
-    along_k = axis % 2 == 1
-    other = dataclasses.replace(spec, transform=None)
-    row, col = (spec, other) if along_k else (other, spec)
+  if kernel is not None and x.ndim == 2:
     try:
-      row_q, col_q = kernel(x, row, col, keys, keys, interpret=interpret,
-                            write=common.ROW if along_k else common.COLUMN)
-      return row_q if along_k else col_q
+      return _one_view(kernel, x, spec, axis % 2, keys, interpret)
     except NotImplementedError:
       pass
   kernel = OPERAND_KERNELS.get(spec.rounding)
   if kernel is None:
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
   return kernel(x, spec, axis, keys, interpret=interpret)
+
+
+# Width of the layout a one-view launch along K reads x in (module docstring): a multiple of every block (16,
+# 32) and of the kernels' tile widths (64, 128).
+CANONICAL_K = 128
+# Formats whose row view keeps no state per row (the tile-local NVFP4 outer runs over rows), in 1-D blocks.
+_FLAT_ROWS = ("mxfp4", "nvfp4", "nvfp4_46")
+_ROWS_PER_TILE = 64  # the tallest tile of `tiling`: the canonical row count must be a multiple of it
+
+
+def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys,
+              interpret: bool) -> QTensor:
+  if axis == 0 and spec.transform is None and not ROUNDINGS[spec.rounding].random:
+    q = _along_k(kernel, x.T, spec, keys, interpret)  # the column view of x: the row view of x^T, bit for bit
+    return QTensor(q.codes, q.scales, q.outer, fmt=q.fmt, axis=0, shape=x.shape)
+  if axis == 1:
+    return _along_k(kernel, x, spec, keys, interpret)
+  # The unwritten row view takes the recipe without its transform (the kernels rotate column views only).
+  _, col = kernel(x, dataclasses.replace(spec, transform=None), spec, keys, keys, interpret=interpret,
+                  write=common.COLUMN)
+  return col
+
+
+def _along_k(kernel: Callable, x: jax.Array, spec: OperandSpec, keys: OperandKeys, interpret: bool) -> QTensor:
+  """The row view of x [M, K], launched on the canonical [M * K / CANONICAL_K, CANONICAL_K] layout where the
+  format allows (module docstring), else on x as it is."""
+  m, k = x.shape
+  flat = (spec.fmt in _FLAT_ROWS and not spec.tile_2d and k % 32 == 0 and m % 32 == 0
+          and (m * k) % (CANONICAL_K * _ROWS_PER_TILE) == 0)
+  v = x.reshape(m * k // CANONICAL_K, CANONICAL_K) if flat else x
+  q, _ = kernel(v, spec, dataclasses.replace(spec, transform=None), keys, keys, interpret=interpret,
+                write=common.ROW)
+  if not flat:
+    return q
+  return QTensor(q.codes.reshape(m, -1), q.scales.reshape(m, -1), q.outer, fmt=q.fmt, axis=1, shape=(m, k))
