@@ -45,9 +45,10 @@ parameter row), the codes under each, their squared errors (q * s_b - x * S_enc)
 halving order, the lower kept (ties: 6). x * S_enc and the squares feed a difference and sums, so they are
 PTX mul.rn.f32 (`exact`), which no FMA contraction can merge; q * s_b is exact. Equal to the reference on an
 H200 (`test_gpu_four_over_six_matches_reference`), so in fp4_dot's dispatch (`pallas.VIEW_KERNELS`): quartet2's
-forward operands, X along K and W along K, each a launch of one view (`write`), since quartet2's backward
-re-quantizes the dequantized values; the 4/6 view is most of the kernel (Triton IR of 2.8k lines for one view,
-5.5k for both: `python -m bench triton "nv 4/6" "nv 4/6 row view" "nv 4/6 column view"`).
+forward operands, X along K and W along K, each a launch of one view (`write`; W's as W^T along K:
+`pallas.operand`), since quartet2's backward re-quantizes the dequantized values; the 4/6 view is most of the
+kernel (Triton IR of 2.8k lines for one view, 5.5k for both: `python -m bench triton "nv 4/6" "nv 4/6 row
+view"`).
 
 Tile-local ("nvfp4_tile"): the row view's outer runs over `tile_rows` rows of x, the column view's over
 `tile_rows` columns of x (rows of its K-major [K, M] layout), each over the full other axis. Both amax vectors
