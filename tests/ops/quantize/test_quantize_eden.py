@@ -10,6 +10,7 @@ import pytest
 from fp4jax.numerics import reference
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.ops.quantize import pallas
 from fp4jax.ops.quantize.pallas import eden
 from quantize_inputs import INPUTS, bits, rng_for
 
@@ -107,6 +108,19 @@ def test_triton_lowering_divides_exactly(triton_modules):
   assert len(modules) == 2  # the rotated amax, the quantizer
   assert all("divf" not in m for m in modules)
   assert "div.rn.f32" in modules[1] and "mul.rn.f32" in modules[1]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_row_views_are_one_kernel_whatever_the_shape(triton_modules, dtype):
+  """Quantized along K through fp4_dot's dispatch (`pallas.operand`: dY's dgrad view, quartet2's requantized
+  W^ in float32), operands of three widths lower to one amax kernel and one quantizer: both run on the
+  canonical [M * K / 128, 128] layout, whose strides do not depend on the shape."""
+  irs = set()
+  for shape in ((256, 384), (512, 1024), (1024, 256)):
+    modules = triton_modules(lambda x: pallas.operand(x.astype(dtype), _spec(), 1, KEYS, interpret=False), shape)
+    assert len(modules) == 2  # the rotated amax, the quantizer
+    irs.add(tuple(modules))
+  assert len(irs) == 1
 
 
 @pytest.mark.gpu

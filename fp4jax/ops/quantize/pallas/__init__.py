@@ -7,12 +7,14 @@ not cover, so `ops.quantize.api` can fall back to the XLA reference. One file pe
 `nvfp4`, `eden`, the amax pre-passes in `amax`, the FP8 re-encoding in `fp8`), their shared helpers in `common`.
 
 One view, one kernel. A Pallas kernel's Triton IR holds its operand's extents and strides as constants, so
-every operand shape used to be its own kernel to compile (quartet2's 30M step: six 4/6 kernels). A one-view
-launch along K of a format without per-row state (`_FLAT_ROWS`) therefore reads x [M, K] as the same bytes
-shaped [M * K / CANONICAL_K, CANONICAL_K]: its blocks never straddle a row of either shape (K and CANONICAL_K
-are multiples of the block), the per-tensor scale is the same, and the kernels key SR draws by the flat index,
-which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the operand's
-shape. A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
+every operand shape used to be its own kernel to compile (quartet2's 30M step: six 4/6 kernels, eleven MS-EDEN
+quantizers, twelve rotated-amax passes). A one-view launch along K of a format without per-row state
+(`_FLAT_ROWS`, MS-EDEN included) therefore reads x [M, K] as the same bytes shaped [M * K / CANONICAL_K,
+CANONICAL_K]: its blocks and MS-EDEN's 128-element groups (and their Hadamard blocks) never straddle a row of
+either shape (K and CANONICAL_K are multiples of them), the per-tensor scale is the same, and the kernels key
+their random draws by the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's
+scale SR), which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the
+operand's shape. A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
 the same blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index,
 which the transpose changes, so SR column views keep the column kernel). XLA's transpose is one cheap pass
 (for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the
@@ -64,11 +66,13 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
   kernel = OPERAND_KERNELS.get(spec.rounding)
   if kernel is None:
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
+  if x.ndim == 2 and axis % 2 == 1:
+    return _along_k(lambda v: kernel(v, spec, 1, keys, interpret=interpret), x, spec)
   return kernel(x, spec, axis, keys, interpret=interpret)
 
 
 # Width of the layout a one-view launch along K reads x in (module docstring): a multiple of every block (16,
-# 32) and of the kernels' tile widths (64, 128).
+# 32), of MS-EDEN's group (128) and of the kernels' tile widths (64, 128).
 CANONICAL_K = 128
 # Formats whose row view keeps no state per row (the tile-local NVFP4 outer runs over rows), in 1-D blocks.
 _FLAT_ROWS = ("mxfp4", "nvfp4", "nvfp4_46")
@@ -77,26 +81,31 @@ _ROWS_PER_TILE = 64  # the tallest tile of `tiling`: the canonical row count mus
 
 def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys,
               interpret: bool) -> QTensor:
+  """One view from a dual-view kernel (the unwritten view takes the recipe without its transform: the kernels
+  rotate column views only)."""
+  def row_view(v: jax.Array) -> QTensor:
+    return kernel(v, spec, dataclasses.replace(spec, transform=None), keys, keys, interpret=interpret,
+                  write=common.ROW)[0]
+
   if axis == 0 and spec.transform is None and not ROUNDINGS[spec.rounding].random:
-    q = _along_k(kernel, x.T, spec, keys, interpret)  # the column view of x: the row view of x^T, bit for bit
+    q = _along_k(row_view, x.T, spec)  # the column view of x: the row view of x^T, bit for bit
     return QTensor(q.codes, q.scales, q.outer, fmt=q.fmt, axis=0, shape=x.shape)
   if axis == 1:
-    return _along_k(kernel, x, spec, keys, interpret)
-  # The unwritten row view takes the recipe without its transform (the kernels rotate column views only).
+    return _along_k(row_view, x, spec)
   _, col = kernel(x, dataclasses.replace(spec, transform=None), spec, keys, keys, interpret=interpret,
                   write=common.COLUMN)
   return col
 
 
-def _along_k(kernel: Callable, x: jax.Array, spec: OperandSpec, keys: OperandKeys, interpret: bool) -> QTensor:
-  """The row view of x [M, K], launched on the canonical [M * K / CANONICAL_K, CANONICAL_K] layout where the
-  format allows (module docstring), else on x as it is."""
+def _along_k(launch: Callable[[jax.Array], QTensor], x: jax.Array, spec: OperandSpec) -> QTensor:
+  """launch(v), the row view of v, for x [M, K]: on the canonical [M * K / CANONICAL_K, CANONICAL_K] layout
+  where the format allows (module docstring: no state per row, blocks and rounding groups that divide K),
+  else on x as it is."""
   m, k = x.shape
-  flat = (spec.fmt in _FLAT_ROWS and not spec.tile_2d and k % 32 == 0 and m % 32 == 0
+  unit = max(32, ROUNDINGS[spec.rounding].group)  # kernels' blocks, MS-EDEN's groups: never straddle a row
+  flat = (spec.fmt in _FLAT_ROWS and not spec.tile_2d and k % unit == 0 and m % 32 == 0
           and (m * k) % (CANONICAL_K * _ROWS_PER_TILE) == 0)
-  v = x.reshape(m * k // CANONICAL_K, CANONICAL_K) if flat else x
-  q, _ = kernel(v, spec, dataclasses.replace(spec, transform=None), keys, keys, interpret=interpret,
-                write=common.ROW)
   if not flat:
-    return q
+    return launch(x)
+  q = launch(x.reshape(m * k // CANONICAL_K, CANONICAL_K))
   return QTensor(q.codes.reshape(m, -1), q.scales.reshape(m, -1), q.outer, fmt=q.fmt, axis=1, shape=(m, k))

@@ -60,13 +60,17 @@ def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array:
   length, other = x.shape if cfg.axis == 0 else x.shape[::-1]
   grid = (length // cfg.rows, other // cfg.cols)
   block = (cfg.rows, cfg.cols) if cfg.axis == 0 else (cfg.cols, cfg.rows)
+  # One 16-slot row of maxima per program, laid out like x's tiles: for the row view (axis 1) the rows of x
+  # lead, so a launch on `pallas.operand`'s canonical [rows, 128] layout has strides that do not depend on
+  # the row count (the same kernel for every operand shape).
+  tops_shape = (grid[0], grid[1] * 16) if cfg.axis == 0 else (grid[1], grid[0] * 16)
+  tile_index = (lambda i, j: (i, j)) if cfg.axis == 0 else (lambda i, j: (j, i))
   tops = pl.pallas_call(
       functools.partial(_amax_kernel, cfg=cfg),
-      out_shape=jax.ShapeDtypeStruct((grid[0], grid[1] * 16), jnp.int32),
+      out_shape=jax.ShapeDtypeStruct(tops_shape, jnp.int32),
       grid=grid,
-      in_specs=[pl.BlockSpec((common.SIGN_WORDS,), lambda i, j: (0,)),
-                pl.BlockSpec(block, (lambda i, j: (i, j)) if cfg.axis == 0 else (lambda i, j: (j, i)))],
-      out_specs=pl.BlockSpec((1, 16), lambda i, j: (i, j)),
+      in_specs=[pl.BlockSpec((common.SIGN_WORDS,), lambda i, j: (0,)), pl.BlockSpec(block, tile_index)],
+      out_specs=pl.BlockSpec((1, 16), tile_index),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret,
       name=AMAX_KERNEL_NAME,
