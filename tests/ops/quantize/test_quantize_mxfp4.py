@@ -38,6 +38,16 @@ def test_explicit_tile_matches_reference(kind, row, col):
     assert_same(g, w)
 
 
+def test_one_keys_object_for_an_rne_and_an_sr_view():
+  """One keys object for both views where only the column view rounds stochastically: the column view draws
+  its own bits (it used to take the RNE row view's, which it has none of, and the trace failed)."""
+  keys = OperandKeys(jax.random.key(7))
+  x = jnp.asarray(INPUTS["normal"](rng_for("rne|sr", 0), (64, 128))).astype(jnp.bfloat16)
+  got = mxfp4.views(x, RNE, SR, keys, keys, interpret=True)
+  for g, w in zip(got, (xla.operand(x, RNE, 1, keys), xla.operand(x, SR, 0, keys)), strict=True):
+    assert_same(g, w)
+
+
 def test_transform_nonfinite_block():
   # A NaN or Inf spreads through its Hadamard block: the column blocks holding it get the NaN scale.
   x = np.zeros((64, 64), np.float32)

@@ -14,7 +14,8 @@ CANONICAL_K]: its blocks and MS-EDEN's 128-element groups (and their Hadamard bl
 either shape (K and CANONICAL_K are multiples of them), the per-tensor scale is the same, and the kernels key
 their random draws by the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's
 scale SR), which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the
-operand's shape. A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
+operand's shape, where the shape allows the layout (M a multiple of 32, K of 32 or of MS-EDEN's 128, M * K of
+128 x 64 rows; other shapes, tile-local NVFP4 and 2-D tiles launch on x as it is). A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
 the same blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index,
 which the transpose changes, so SR column views keep the column kernel). XLA's transpose is one cheap pass
 (for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the

@@ -186,7 +186,7 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k)
   write_row, write_col = cfg.write
-  shared = cfg.shared_bits and cfg.col.rounding == "sr"
+  shared = cfg.shared_bits
   # The row seed's bits: the row view's, and the column view's too when shared (or for 2-D tiles).
   row_r24 = common.random_bits(seed_ref, 0, index, cfg.row.rounding if write_row or shared or cfg.tile_2d
                                else "rne")
@@ -265,7 +265,8 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   tile = tile or _default_tile((m, k), row, col)
   tile.check(m, k, BLOCK)
   row_key, col_key = row_keys.rounding, col_keys.rounding
-  cfg = DualConfig(row, col, tile_2d=row.tile_2d, shared_bits=row_key is not None and row_key is col_key,
+  shared = row_key is not None and row_key is col_key and row.rounding == col.rounding == "sr"
+  cfg = DualConfig(row, col, tile_2d=row.tile_2d, shared_bits=shared,
                    tile=tile, interpret=interpret, write=tuple(write))
   params = None  # [row seed words, column seed words, Hadamard sign mask]
   if cfg.needs_params:
