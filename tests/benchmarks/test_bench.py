@@ -172,9 +172,9 @@ def test_bench_compile_triton_compiles_each_distinct_kernel(capsys):
         "--routes", "mxfp4"])
   out = capsys.readouterr().out
   n, total = re.search(r"triton \(sm_90, `triton` package\): (\d+) kernels ([\d.]+) s", out).groups()
-  assert n == "9" and float(total) > 0, out
+  assert n == "8" and float(total) > 0, out  # the 8 distinct kernels of test_bench_compile_step_phases_for_an_h200
   per_name = re.findall(r"^        (fp4jax_\w+): (\d+) distinct, ([\d.]+) s", out, re.M)  # one line per kernel name
-  assert per_name and sum(int(k) for _, k, _ in per_name) == 9, out
+  assert per_name and sum(int(k) for _, k, _ in per_name) == 8, out
   assert abs(sum(float(s) for _, _, s in per_name) - float(total)) < 0.1 * len(per_name), out
 
 
