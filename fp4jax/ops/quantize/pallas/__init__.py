@@ -15,9 +15,10 @@ either shape (K and CANONICAL_K are multiples of them), the per-tensor scale is 
 their random draws by the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's
 scale SR), which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the
 operand's shape, where the shape allows the layout (M a multiple of 32, K of 32 or of MS-EDEN's 128, M * K of
-128 x 64 rows; other shapes, tile-local NVFP4 and 2-D tiles launch on x as it is). A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead:
-the same blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index,
-which the transpose changes, so SR column views keep the column kernel). XLA's transpose is one cheap pass
+128 x 64 rows; other shapes, tile-local NVFP4 and 2-D tiles launch on x as it is). A one-view launch along M
+with a deterministic recipe and no transform quantizes x^T along K instead: the same blocks and scales in the
+same K-major layout, so the same bits (an SR draw is keyed by x's flat index, which the transpose changes, so
+SR column views keep the column kernel). XLA's transpose is one cheap pass
 (for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the
 4/6 column view 2.7-2.9x slower than the row view on the H200 (docs/BENCHMARKS.md).
 """
@@ -84,17 +85,17 @@ def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys
               interpret: bool) -> QTensor:
   """One view from a dual-view kernel (the unwritten view takes the recipe without its transform: the kernels
   rotate column views only)."""
+  plain = dataclasses.replace(spec, transform=None)
+
   def row_view(v: jax.Array) -> QTensor:
-    return kernel(v, spec, dataclasses.replace(spec, transform=None), keys, keys, interpret=interpret,
-                  write=common.ROW)[0]
+    return kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW)[0]
 
   if axis == 0 and spec.transform is None and not ROUNDINGS[spec.rounding].random:
     q = _along_k(row_view, x.T, spec)  # the column view of x: the row view of x^T, bit for bit
     return QTensor(q.codes, q.scales, q.outer, fmt=q.fmt, axis=0, shape=x.shape)
   if axis == 1:
     return _along_k(row_view, x, spec)
-  _, col = kernel(x, dataclasses.replace(spec, transform=None), spec, keys, keys, interpret=interpret,
-                  write=common.COLUMN)
+  _, col = kernel(x, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN)
   return col
 
 

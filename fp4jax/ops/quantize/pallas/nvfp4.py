@@ -288,7 +288,8 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h, w)
     return
   view = functools.partial(_view_46, interpret=cfg.interpret) if cfg.fmt == "nvfp4_46" else _view
-  for p in range(2 if cfg.write[0] else 0):  # row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1)
+  # Row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1).
+  for p in range(2 if cfg.write[0] else 0):
     codes, scales = view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
                           (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
     rc_ref[:, p, :] = codes  # [h, w]
