@@ -41,7 +41,8 @@ class Variant:
   when they are equal, as fp4_dot passes for one recipe), an explicit kernel tile or the default, the FP8
   re-encoding of both views after it (MXFP4), or MS-EDEN's options (`eden.operand`: both views of dY, each
   its own launch pair). `axis`: one operand only, `row` along that axis (1: the row view, 0: the column view)
-  through the dispatch fp4_dot uses for one operand (`ops.quantize.pallas.operand`)."""
+  through the dispatch fp4_dot uses for one operand (`ops.quantize.pallas.operand`), or with `eden` through
+  the MS-EDEN kernel of that view itself."""
 
   row: OperandSpec
   col: OperandSpec
@@ -82,6 +83,10 @@ VARIANTS: dict[str, Variant] = {
     "nv 4/6 column view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=0),
     # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each
     "eden dY rht128": Variant(_EDEN, _EDEN, eden={}),
+    # one view each: the dispatch (the column view as x^T along K, XLA's transpose included) and the kernels
+    "eden row view": Variant(_EDEN, _EDEN, axis=1),
+    "eden column view": Variant(_EDEN, _EDEN, axis=0),
+    "eden column view kernel": Variant(_EDEN, _EDEN, eden={}, axis=0),
     "eden dY rht128 c32w4": Variant(_EDEN, _EDEN, eden=dict(block_c=32)),
     "eden dY rht128 c64w8": Variant(_EDEN, _EDEN, eden=dict(block_c=64, num_warps=8)),
     # Fewer warps keep the column view's butterfly in registers (Triton PTX on CPU: 52 shared-memory stores at
@@ -115,6 +120,8 @@ def _keys(v: Variant, key: jax.Array) -> tuple[OperandKeys, OperandKeys]:
 def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
   """The fused pass(es) of a variant: (row view, column view) [+ (row FP8, column FP8)]."""
   row_keys, col_keys = _keys(v, key)
+  if v.axis is not None and v.eden is not None:
+    return eden.operand(x, v.row, v.axis, row_keys, interpret=interpret, **v.eden)
   if v.axis is not None:
     return pallas.operand(x, v.row, v.axis, row_keys, interpret=interpret)
   if v.eden is not None:

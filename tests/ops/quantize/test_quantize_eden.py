@@ -111,15 +111,18 @@ def test_triton_lowering_divides_exactly(triton_modules):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_row_views_are_one_kernel_whatever_the_shape(triton_modules, dtype):
-  """Quantized along K through fp4_dot's dispatch (`pallas.operand`: dY's dgrad view, quartet2's requantized
-  W^ in float32), operands of three widths lower to one amax kernel and one quantizer: both run on the
-  canonical [M * K / 128, 128] layout, whose strides do not depend on the shape."""
+def test_views_are_one_kernel_whatever_the_shape_and_axis(triton_modules, dtype):
+  """Through fp4_dot's dispatch (`pallas.operand`: dY's dgrad view along K and wgrad view along M, quartet2's
+  requantized X^ and W^ in float32), operands of three shapes and both axes lower to one amax kernel and one
+  quantizer: a view along K runs on the canonical [M * K / 128, 128] layout, whose strides do not depend on
+  the shape, and a view along M as the view along K of x^T."""
   irs = set()
   for shape in ((256, 384), (512, 1024), (1024, 256)):
-    modules = triton_modules(lambda x: pallas.operand(x.astype(dtype), _spec(), 1, KEYS, interpret=False), shape)
-    assert len(modules) == 2  # the rotated amax, the quantizer
-    irs.add(tuple(modules))
+    for axis in (0, 1):
+      modules = triton_modules(lambda x: pallas.operand(x.astype(dtype), _spec(), axis, KEYS, interpret=False),
+                               shape)
+      assert len(modules) == 2  # the rotated amax, the quantizer
+      irs.add(tuple(modules))
   assert len(irs) == 1
 
 

@@ -18,7 +18,9 @@ operand's shape, where the shape allows the layout (M a multiple of 32, K of 32 
 128 x 64 rows; other shapes, tile-local NVFP4 and 2-D tiles launch on x as it is). A one-view launch along M
 with a deterministic recipe and no transform quantizes x^T along K instead: the same blocks and scales in the
 same K-major layout, so the same bits (an SR draw is keyed by x's flat index, which the transpose changes, so
-SR column views keep the column kernel). XLA's transpose is one cheap pass
+SR column views keep the column kernel). So does every MS-EDEN column view: its one draw per block is keyed by
+the block's K-major scale index, and its random signs by the position along the quantized axis, which x^T
+keeps. XLA's transpose is one cheap pass
 (for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the
 4/6 column view 2.7-2.9x slower than the row view on the H200 (docs/BENCHMARKS.md).
 """
@@ -68,9 +70,17 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
   kernel = OPERAND_KERNELS.get(spec.rounding)
   if kernel is None:
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
-  if x.ndim == 2 and axis % 2 == 1:
-    return _along_k(lambda v: kernel(v, spec, 1, keys, interpret=interpret), x, spec)
-  return kernel(x, spec, axis, keys, interpret=interpret)
+  if x.ndim != 2:
+    return kernel(x, spec, axis, keys, interpret=interpret)
+
+  def row_view(v: jax.Array) -> QTensor:
+    return kernel(v, spec, 1, keys, interpret=interpret)
+
+  if axis % 2 == 1:
+    return _along_k(row_view, x, spec)
+  # MS-EDEN keys its draws by the K-major scale index and its signs by the position along the quantized axis:
+  # the column view of x is the row view of x^T, bit for bit.
+  return _transposed(_along_k(row_view, x.T, spec), x.shape)
 
 
 # Width of the layout a one-view launch along K reads x in (module docstring): a multiple of every block (16,
@@ -91,12 +101,16 @@ def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys
     return kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW)[0]
 
   if axis == 0 and spec.transform is None and not ROUNDINGS[spec.rounding].random:
-    q = _along_k(row_view, x.T, spec)  # the column view of x: the row view of x^T, bit for bit
-    return QTensor(q.codes, q.scales, q.outer, fmt=q.fmt, axis=0, shape=x.shape)
+    return _transposed(_along_k(row_view, x.T, spec), x.shape)  # the column view of x, bit for bit
   if axis == 1:
     return _along_k(row_view, x, spec)
   _, col = kernel(x, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN)
   return col
+
+
+def _transposed(q: QTensor, shape: tuple[int, int]) -> QTensor:
+  """The row view q of x^T as the column view of x [M, K] (the same K-major codes and scales)."""
+  return QTensor(q.codes, q.scales, q.outer, fmt=q.fmt, axis=0, shape=shape)
 
 
 def _along_k(launch: Callable[[jax.Array], QTensor], x: jax.Array, spec: OperandSpec) -> QTensor:
