@@ -7,7 +7,8 @@
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
-counts the Pallas kernels in the lowered module (call sites; distinct Triton IR) and its HLO instructions with
+counts the Pallas kernels in the lowered module (call sites; distinct Triton IR; distinct launch configurations,
+which XLA compiles one each) and its HLO instructions with
 every called computation inlined (`inlined_size`: what XLA's passes work through). The train step is a Llama
 preset's forward, backward and AdamW update (bf16 compute, the route on every linear but the embedding and
 lm_head). `--h200` lowers for an abstract H200 on any machine (no compile phase): tracing and lowering are host
@@ -66,10 +67,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                            "package and print the seconds (a proxy for that share of XLA's compile)")
 
 
-def kernel_counts(lowered_text: str) -> tuple[int, int]:
-  """(Pallas kernel call sites, distinct kernels) in a lowered module's text."""
-  irs = re.findall(r'ir = "([^"]*)"', lowered_text)
-  return len(irs), len(set(irs))
+# The backend config of a Pallas Triton call in lowered text: {grid_x = .., ir = "<Triton IR bytecode>", ...}.
+_TRITON_CONFIG = re.compile(r'backend_config = \{([^}]*ir = "[^"]*"[^}]*)\}')
+
+
+def kernel_counts(lowered_text: str) -> tuple[int, int, int]:
+  """(Pallas kernel call sites, distinct Triton IR, distinct launch configurations) in a lowered module's text.
+
+  XLA compiles a Triton kernel once per distinct launch configuration: its kernel cache is keyed by the whole
+  backend config, the IR's bytes (source locations included) and the grid, warps and stages with them."""
+  configs = _TRITON_CONFIG.findall(lowered_text)
+  irs = {re.search(r'ir = "([^"]*)"', c).group(1) for c in configs}
+  return len(configs), len(irs), len(set(configs))
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
@@ -175,8 +184,9 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
   elif not h200:
     lowered.compile()
     compile_s = time.perf_counter() - t2
-  sites, distinct = kernel_counts(lowered.as_text())
+  sites, distinct, launches = kernel_counts(lowered.as_text())
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct,
+          "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
           "triton": triton_seconds(modules) if h200 and triton_compile else None}
 
@@ -184,7 +194,8 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
 def _line(name: str, p: dict) -> str:
   compiled = "   n/a" if p["compile"] is None else f"{p['compile']:6.1f}"
   line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
-          f"pallas kernels {p['sites']} sites / {p['distinct']} distinct  hlo {p['hlo'] / 1e3:.1f}k")
+          f"pallas kernels {p['sites']} sites / {p['distinct']} distinct IR / {p['launches']} launch configs  "
+          f"hlo {p['hlo'] / 1e3:.1f}k")
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
   return "\n".join([line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))])

@@ -155,7 +155,9 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
   # X and dY: one dual-view kernel per distinct shape; W (32x32 tiles, one view read by fprop and dgrad) runs as
   # W^T along K, so q|k|v's and gate|up's weights (64 x 128, 64 x 384) share one kernel: 9 sites, 8 distinct.
   assert counts[0] == ("0", "0") and counts[1] == ("9", "8"), counts
-  assert compile_bench.kernel_counts('ir = "a" ir = "b" ir = "a"') == (3, 2)
+  calls = [f'backend_config = {{grid_x = {g} : i32, ir = "{ir}", num_warps = 4 : i32}}'
+           for ir, g in (("a", 1), ("b", 1), ("a", 1), ("a", 2))]
+  assert compile_bench.kernel_counts(" ".join(calls)) == (4, 2, 3)  # "a" launched on two grids
   # --unfused-linears: one product per linear, so a larger program (q, k, v and gate, up separately).
   hlo = lambda line: float(re.search(r"hlo ([\d.]+)k", line).group(1))
   main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--unfused-linears",
