@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
   platform.enable_compilation_cache(platform.cache_dir(args.compile_cache))
-  platform.share_kernels_across_call_sites()
   # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.
   return guarded(f"python -m bench {args.command}", False, lambda: SUBCOMMANDS[args.command][0].run(args) or 0)
 

@@ -1,6 +1,6 @@
 """Which platform JAX is compiling for, where a choice depends on it (the quantizer implementation "auto", the
 fp8 GEMM's output dtype, the attention kernel), and the process-wide set-up the apps (train, bench) call at
-start: XLA flags, JAX's persistent compilation cache, and locations that let call sites share a kernel.
+start: XLA flags and JAX's persistent compilation cache.
 
 The default backend answers on a machine with the accelerator; an abstract mesh of GPU devices answers when a
 GPU program is lowered on a machine without one (`python -m bench program`), so both see the same program.
@@ -65,28 +65,6 @@ def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
   added = [f for f in flags if f.split("=")[0] not in names]
   os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
   return os.environ["XLA_FLAGS"]
-
-
-# JAX's setting, and its environment variable, for full Python tracebacks in the MLIR locations of lowered code.
-_FULL_TRACEBACKS = "jax_include_full_tracebacks_in_locations"
-
-
-def share_kernels_across_call_sites() -> bool:
-  """Writes only the innermost user frame, not the whole Python traceback, into the MLIR locations JAX lowers
-  (unless the environment sets JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS: the user's choice wins); returns
-  whether it did. Call it before lowering.
-
-  Why: a Pallas Triton kernel's IR carries the locations of its operations, and with full tracebacks those
-  hold the caller's frames (FP4Linear.__call__, MLP.__call__, ...). XLA caches a Triton kernel by its whole
-  launch configuration, IR bytes included, so each call site of one kernel became its own IR to compile:
-  quartet2's 30M step lowered 15 distinct kernel IRs where 5 differ in code (docs/BENCHMARKS.md has the
-  compile times). The same switch Pallas's Mosaic GPU lowering sets for its own kernels; XLA's HLO keeps the
-  user frame of every operation, which is what profiles and XLA's messages show.
-  """
-  if _FULL_TRACEBACKS.upper() in os.environ:
-    return False
-  jax.config.update(_FULL_TRACEBACKS, False)
-  return True
 
 
 def default_cache_dir() -> pathlib.Path:

@@ -51,7 +51,6 @@ def start_jax(cfg: Config) -> types.ModuleType:
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
   platform.enable_compilation_cache(platform.cache_dir(cfg.run.compile_cache))
-  platform.share_kernels_across_call_sites()
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
   return jax
