@@ -22,6 +22,9 @@ profiler's own start and stop.
 `--h200 --triton` compiles each distinct Pallas kernel's Triton IR for sm_90 with the `triton` package (not an
 fp4jax dependency: `pip install triton==3.5.1`) and prints the count, total and slowest seconds: a CPU proxy for
 the Triton share of XLA's compile (XLA compiles the same IR with its own Triton build, as `bench triton` says).
+A rough one: XLA compiles each launch configuration, not each IR, on parallel threads, and its Triton lowering
+of a kernel can take several times the proxy's (docs/BENCHMARKS.md, H200 session of 2026-12-03, 06:55); on a
+GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, PTX->CUBIN).
 
 Compiles are cold (the persistent cache is off) unless `--warm`.
 """

@@ -81,7 +81,9 @@ VARIANTS: dict[str, Variant] = {
     # quartet2's forward X (along K) and W (along K = its column view): one view each
     "nv 4/6 row view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=1),
     "nv 4/6 column view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=0),
-    # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each
+    # quartet2's dY: both MS-EDEN views (RHT128 along N for dgrad, along M for wgrad), two launches each: through
+    # fp4_dot's dispatch (the column view as x^T along K), and through the kernel of each view
+    "eden dY views": Variant(_EDEN, _EDEN, eden=None),
     "eden dY rht128": Variant(_EDEN, _EDEN, eden={}),
     # one view each: the dispatch (the column view as x^T along K, XLA's transpose included) and the kernels
     "eden row view": Variant(_EDEN, _EDEN, axis=1),
@@ -100,7 +102,7 @@ VARIANTS: dict[str, Variant] = {
 # The variants docs/BENCHMARKS.md's tables show (scripts/gpu_bench.sh's default).
 DOC_VARIANTS = ("rne/ocp", "w32x32/noclip/0.87", "views dY sr|rne", "views X rne|rne+h32", "views dY sr|rne+h32",
                 "nv rne|rne", "nv dY sr|rne", "nvtile rne|rne", "nvtile dY sr|rne", "nv X rne|rne+rht16",
-                "nv dY sr|sr+rht16", "nv W 16x16", "eden dY rht128")
+                "nv dY sr|sr+rht16", "nv W 16x16", "eden dY views")
 
 FP8_TILES = (Fp8Tile(8, 16, num_warps=4), Fp8Tile(16, 16, num_warps=4), Fp8Tile(4, 16, num_warps=4))
 
@@ -114,7 +116,8 @@ def _keys(v: Variant, key: jax.Array) -> tuple[OperandKeys, OperandKeys]:
   """Each view's keys as fp4_dot derives them (dY's dgrad and wgrad roles); one object for one dual-view
   recipe, as fp4_dot passes when it quantizes one operand."""
   row = route_lib.operand_keys(v.row, key, "dgrad_dy")
-  return row, row if v.row == v.col and v.eden is None else route_lib.operand_keys(v.col, key, "wgrad_dy")
+  shared = v.row == v.col and v.eden is None and v.row.rounding != "eden"  # MS-EDEN: one launch pair per view
+  return row, row if shared else route_lib.operand_keys(v.col, key, "wgrad_dy")
 
 
 def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
@@ -127,6 +130,9 @@ def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
   if v.eden is not None:
     return tuple(eden.operand(x, spec, axis, k, interpret=interpret, **v.eden)
                  for spec, axis, k in ((v.row, 1, row_keys), (v.col, 0, col_keys)))
+  if v.row.rounding == "eden":  # no dual-view kernel: one dispatched launch pair per view, as fp4_dot runs it
+    return (pallas.operand(x, v.row, 1, row_keys, interpret=interpret),
+            pallas.operand(x, v.col, 0, col_keys, interpret=interpret))
   family = mxfp4 if v.row.fmt == "mxfp4" else nvfp4
   out = family.views(x, v.row, v.col, row_keys, col_keys, tile=v.tile, interpret=interpret)
   if v.fp8:

@@ -6,23 +6,26 @@ single-view kernel by rounding (`OPERAND_KERNELS`). Every kernel raises NotImple
 not cover, so `ops.quantize.api` can fall back to the XLA reference. One file per kernel family (`mxfp4`,
 `nvfp4`, `eden`, the amax pre-passes in `amax`, the FP8 re-encoding in `fp8`), their shared helpers in `common`.
 
-One view, one kernel. A Pallas kernel's Triton IR holds its operand's extents and strides as constants, so
-every operand shape used to be its own kernel to compile (quartet2's 30M step: six 4/6 kernels, eleven MS-EDEN
-quantizers, twelve rotated-amax passes). A one-view launch along K of a format without per-row state
-(`_FLAT_ROWS`, MS-EDEN included) therefore reads x [M, K] as the same bytes shaped [M * K / CANONICAL_K,
-CANONICAL_K]: its blocks and MS-EDEN's 128-element groups (and their Hadamard blocks) never straddle a row of
-either shape (K and CANONICAL_K are multiples of them), the per-tensor scale is the same, and the kernels key
-their random draws by the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's
-scale SR), which the reshape keeps; so every such launch of one recipe and dtype is one kernel, whatever the
-operand's shape, where the shape allows the layout (M a multiple of 32, K of 32 or of MS-EDEN's 128, M * K of
-128 x 64 rows; other shapes, tile-local NVFP4 and 2-D tiles launch on x as it is). A one-view launch along M
-with a deterministic recipe and no transform quantizes x^T along K instead: the same blocks and scales in the
-same K-major layout, so the same bits (an SR draw is keyed by x's flat index, which the transpose changes, so
-SR column views keep the column kernel). So does every MS-EDEN column view: its one draw per block is keyed by
-the block's K-major scale index, and its random signs by the position along the quantized axis, which x^T
-keeps. XLA's transpose is one cheap pass
-(for a weight it fuses into the cast to bf16) against the column kernel's in-register transpose, which made the
-4/6 column view 2.7-2.9x slower than the row view on the H200 (docs/BENCHMARKS.md).
+One view, one Triton IR. A Pallas kernel's Triton IR holds its operand's extents and strides as constants, so
+every operand shape used to be its own IR (quartet2's 30M step: six 4/6 kernels, eleven MS-EDEN quantizers,
+twelve rotated-amax passes). A one-view launch along K of a format without per-row state (`_FLAT_ROWS`, MS-EDEN
+included) therefore reads x [M, K] as the same bytes shaped [M * K / CANONICAL_K, CANONICAL_K]: its blocks and
+MS-EDEN's 128-element groups (and their Hadamard blocks) never straddle a row of either shape (K and
+CANONICAL_K are multiples of them), the per-tensor scale is the same, and the kernels key their random draws by
+the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's scale SR), which the
+reshape keeps; so every such launch of one recipe and dtype has one IR, whatever the operand's shape, where the
+shape allows the layout (M a multiple of 32, K of 32 or of MS-EDEN's 128, M * K of 128 x 64 rows; other shapes,
+tile-local NVFP4 and 2-D tiles launch on x as it is). XLA still compiles one kernel per launch configuration
+(IR and grid, its kernel cache key), on parallel threads: one IR per recipe did not by itself shorten a step's
+compile (docs/BENCHMARKS.md, H200 session of 2026-12-03, 06:55).
+
+A one-view launch along M with a deterministic recipe and no transform quantizes x^T along K instead: the same
+blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index, which the
+transpose changes, so SR column views keep the column kernel). So does every MS-EDEN column view: its one draw
+per block is keyed by the block's K-major scale index, and its random signs by the position along the quantized
+axis, which x^T keeps. XLA's transpose is one cheap pass (for a weight it fuses into the cast to bf16) against
+the column kernel's in-register transpose: on the H200 both the 4/6 and the MS-EDEN column view ran faster as
+x^T (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
