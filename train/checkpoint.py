@@ -13,6 +13,7 @@ damage. `restore` then falls back to the newest intact step with a warning, movi
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -81,8 +82,10 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def save(self, step: int, state: nnx.State, data_state: dict[str, Any]) -> None:
+    """Starts writing `step` (Orbax finishes it in the background). `data_state` (JSON values) is copied now:
+    the writer serializes it later, and the caller may keep changing what it holds (the open loss window)."""
     pure = nnx.to_pure_dict(state)
-    data_state = {**data_state, DIGEST_KEY: state_digest(pure)[0]}
+    data_state = json.loads(json.dumps({**data_state, DIGEST_KEY: state_digest(pure)[0]}))
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(pure), data=ocp.args.JsonSave(data_state)))
 

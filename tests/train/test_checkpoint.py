@@ -86,3 +86,16 @@ def test_no_intact_step_is_one_line_naming_it(tmp_path):
                                       r"intact: delete .* to train from scratch, or use another run.out_dir") as e:
     checkpoint.Checkpointer(directory, log=io.StringIO()).restore(_state(3))
   assert "\n" not in str(e.value)
+
+
+def test_data_state_is_saved_as_it_was_when_save_returned(tmp_path):
+  """Orbax writes a step in the background: a list the caller keeps changing after `save` (the trainer's open
+  loss window does, as the next steps run) must be saved as it was at the call. It used to be serialized
+  whenever the writer got to it, so a resumed run's first log record sometimes averaged extra losses."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"))
+  window = [4.0]
+  ckpt.save(4, _state(1), {"loss_window": window})
+  window.extend([5.0, 6.0])  # the next steps' losses, recorded while the checkpoint is being written
+  ckpt.close()
+  _, data, step = checkpoint.Checkpointer(str(tmp_path / "ckpt")).restore(_state(2))
+  assert step == 4 and data["loss_window"] == [4.0]
