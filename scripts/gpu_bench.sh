@@ -36,7 +36,7 @@ for part in "${parts[@]}"; do
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
-        --variants "${QUANTIZE_VARIANTS:-rne/ocp,w32x32/noclip/0.87,views dY sr|rne,views X rne|rne+h32,views dY sr|rne+h32,nv rne|rne,nv dY sr|rne,nvtile rne|rne,nvtile dY sr|rne,nv X rne|rne+rht16,nv dY sr|sr+rht16,nv W 16x16,eden dY rht128}" \
+        --variants "${QUANTIZE_VARIANTS:-rne/ocp,w32x32/noclip/0.87,views dY sr|rne,views X rne|rne+h32,views dY sr|rne+h32,nv rne|rne,nv dY sr|rne,nvtile rne|rne,nvtile dY sr|rne,nv X rne|rne+rht16,nv dY sr|sr+rht16,nv W 16x16,eden dY views}" \
         2>&1 | tail -60 ;;
     dot)
       log "fp4_dot bench (Llama-8B shapes, M=16384)"

@@ -13,7 +13,8 @@ included) therefore reads x [M, K] as the same bytes shaped [M * K / CANONICAL_K
 MS-EDEN's 128-element groups (and their Hadamard blocks) never straddle a row of either shape (K and
 CANONICAL_K are multiples of them), the per-tensor scale is the same, and the kernels key their random draws by
 the flat index of the element (SR) or of the block in the K-major scales (MS-EDEN's scale SR), which the
-reshape keeps; so every such launch of one recipe and dtype has one IR, whatever the operand's shape, where the
+reshape keeps; so every such launch of one recipe and dtype has one IR whatever the operand's shape (one per
+call site: JAX writes the caller's frames into the IR's locations), where the
 shape allows the layout (M a multiple of 32, K of 32 or of MS-EDEN's 128, M * K of 128 x 64 rows; other shapes,
 tile-local NVFP4 and 2-D tiles launch on x as it is). XLA still compiles one kernel per launch configuration
 (IR and grid, its kernel cache key), on parallel threads: one IR per recipe did not by itself shorten a step's
@@ -24,8 +25,8 @@ blocks and scales in the same K-major layout, so the same bits (an SR draw is ke
 transpose changes, so SR column views keep the column kernel). So does every MS-EDEN column view: its one draw
 per block is keyed by the block's K-major scale index, and its random signs by the position along the quantized
 axis, which x^T keeps. XLA's transpose is one cheap pass (for a weight it fuses into the cast to bf16) against
-the column kernel's in-register transpose: on the H200 both the 4/6 and the MS-EDEN column view ran faster as
-x^T (docs/BENCHMARKS.md).
+the column kernel's in-register transpose: on the H200 both the 4/6 and the MS-EDEN column view of a bf16
+operand ran faster as x^T (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
 
   if axis % 2 == 1:
     return _along_k(row_view, x, spec)
-  # MS-EDEN keys its draws by the K-major scale index and its signs by the position along the quantized axis:
-  # the column view of x is the row view of x^T, bit for bit.
-  return _transposed(_along_k(row_view, x.T, spec), x.shape)
+  if spec.rounding == "eden":
+    # MS-EDEN keys its draws by the K-major scale index and its signs by the position along the quantized axis:
+    # the column view of x is the row view of x^T, bit for bit.
+    return _transposed(_along_k(row_view, x.T, spec), x.shape)
+  return kernel(x, spec, axis, keys, interpret=interpret)
 
 
 # Width of the layout a one-view launch along K reads x in (module docstring): a multiple of every block (16,
