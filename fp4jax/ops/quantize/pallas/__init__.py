@@ -76,17 +76,8 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
   if x.ndim != 2:
     return kernel(x, spec, axis, keys, interpret=interpret)
-
-  def row_view(v: jax.Array) -> QTensor:
-    return kernel(v, spec, 1, keys, interpret=interpret)
-
-  if axis % 2 == 1:
-    return _along_k(row_view, x, spec)
-  if spec.rounding == "eden":
-    # MS-EDEN keys its draws by the K-major scale index and its signs by the position along the quantized axis:
-    # the column view of x is the row view of x^T, bit for bit.
-    return _transposed(_along_k(row_view, x.T, spec), x.shape)
-  return kernel(x, spec, axis, keys, interpret=interpret)
+  return _view(lambda v: kernel(v, spec, 1, keys, interpret=interpret),
+               lambda v: kernel(v, spec, 0, keys, interpret=interpret), x, spec, axis % 2)
 
 
 # Width of the layout a one-view launch along K reads x in (module docstring): a multiple of every block (16,
@@ -102,16 +93,22 @@ def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys
   """One view from a dual-view kernel (the unwritten view takes the recipe without its transform: the kernels
   rotate column views only)."""
   plain = dataclasses.replace(spec, transform=None)
+  return _view(lambda v: kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW)[0],
+               lambda v: kernel(v, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN)[1],
+               x, spec, axis)
 
-  def row_view(v: jax.Array) -> QTensor:
-    return kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW)[0]
 
-  if axis == 0 and spec.transform is None and not ROUNDINGS[spec.rounding].random:
-    return _transposed(_along_k(row_view, x.T, spec), x.shape)  # the column view of x, bit for bit
+def _view(row_view: Callable[[jax.Array], QTensor], column_view: Callable[[jax.Array], QTensor], x: jax.Array,
+          spec: OperandSpec, axis: int) -> QTensor:
+  """The view of x [M, K] along `axis` (0 or 1) from a kernel's row and column launches: along K on the
+  canonical layout, along M as the row view of x^T where that gives the same bits (module docstring: a
+  deterministic recipe without transform, or MS-EDEN, whose draws are keyed by the K-major scale index and
+  whose signs by the position along the quantized axis), else the column launch on x."""
   if axis == 1:
     return _along_k(row_view, x, spec)
-  _, col = kernel(x, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN)
-  return col
+  if spec.rounding == "eden" or (spec.transform is None and not ROUNDINGS[spec.rounding].random):
+    return _transposed(_along_k(row_view, x.T, spec), x.shape)
+  return column_view(x)
 
 
 def _transposed(q: QTensor, shape: tuple[int, int]) -> QTensor:
