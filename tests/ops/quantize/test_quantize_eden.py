@@ -1,5 +1,5 @@
 """What is specific to the MS-EDEN kernel: its pre-SR targets t (exposed for tests), explicit column blocks,
-quartet2's dequantized input, a given amax, its coverage and its exact divisions in the Triton IR. Its bits
+quartet2's dequantized input, a given amax, its coverage, and in its Triton IR the exact divisions and no turned outputs. Its bits
 against the reference in fp4_dot's recipes: test_conformance.py."""
 
 import jax
@@ -108,6 +108,15 @@ def test_triton_lowering_divides_exactly(triton_modules):
   assert len(modules) == 2  # the rotated amax, the quantizer
   assert all("divf" not in m for m in modules)
   assert "div.rn.f32" in modules[1] and "mul.rn.f32" in modules[1]
+
+
+@pytest.mark.parametrize("axis, turns", [(1, 1), (0, 0)])
+def test_quantizer_stores_what_it_holds(triton_modules, axis, turns):
+  """The quantizer turns no value it stores: only the row view's loaded tile is transposed in registers
+  (`tt.trans`). Two transposes of its outputs made XLA's Triton compile of this kernel 12-15 s instead of about
+  1 s on the H200 (docs/BENCHMARKS.md); the codes and scales leave it as held and XLA turns them."""
+  modules = triton_modules(lambda x: eden.operand(x, _spec(), axis, KEYS), (256, 256))
+  assert modules[1].count("tt.trans") == turns
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -17,6 +17,13 @@ Two launches per view, with the one global dependency between them explicit:
        `_tree_sum` order over the rows), c = num / den (1 when den = 0), t = min(s_b * c, 448);
        scale = e4m3_SR(t) with one draw per block from stream `STREAM_SCALE_SR`, counter = the block's flat
        index in the K-major scales array.
+     The program writes its codes and scales as it holds them, the quantized axis down the rows: blocks
+     [L/2, block_c] and [L/16, block_c] of arrays [other / block_c, L/2, block_c] and [.., L/16, ..], whose
+     strides do not depend on the other axis (one kernel for every shape of `pallas`'s canonical layout);
+     XLA turns those into the K-major layout (a pass over bytes, a quarter of a bf16 x's size, that XLA may
+     fuse into the consumer). Turning them in registers instead, as the
+     kernel did before, made XLA's Triton compile of this kernel take 12-15 s instead of about 1 s on the H200,
+     for no faster kernel (docs/BENCHMARKS.md).
 Every division is correctly rounded and every product feeding a sum rounded on its own (`exact`: PTX
 div.rn.f32 / mul.rn.f32 on the GPU, `ieee.div` / a barrier in interpret mode); the rest is float32 adds,
 multiplies, mins and integer/bit arithmetic whose results no contraction can change. A group (and every block
@@ -98,7 +105,8 @@ def check(x: jax.Array, spec: OperandSpec, axis: int) -> None:
 
 
 def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, scales_per_row: int):
-  """One [128 along the quantized axis, block_c] tile -> codes [block_c, 64], scale bytes [block_c, 8] (and t)."""
+  """One [128 along the quantized axis, block_c] tile -> codes [64, block_c], scale bytes [8, block_c] (and t),
+  transposed (module docstring)."""
   div = functools.partial(exact.div_rn, interpret=cfg.interpret)
   bits = amax_lib.tile_bits(x_ref, cfg.axis)  # [L, C]
   if cfg.transform is not None:
@@ -130,10 +138,10 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
   scale = jnp.where(bad, _E4M3_NAN, e4m3_sr_bytes(t, u))
   code = jnp.where(bad, 0, code | sign).reshape(rows // 2, 2, cols)
-  codes_ref[...] = (pick(code, 0) | (pick(code, 1) << 4)).T.astype(jnp.uint8)  # [C, L/2]
-  scales_ref[...] = scale.T.astype(jnp.uint8)  # [C, L/16]
+  codes_ref[0, :, :] = (pick(code, 0) | (pick(code, 1) << 4)).astype(jnp.uint8)  # [L/2, C]
+  scales_ref[0, :, :] = scale.astype(jnp.uint8)  # [L/16, C]
   if cfg.targets:
-    t_ref[0][...] = t.T
+    t_ref[0][0, :, :] = t
 
 
 def _grid(shape: tuple[int, int], cfg: EdenConfig):
@@ -151,13 +159,15 @@ def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
   length, other = grid[0] * GROUP, grid[1] * cfg.block_c
   n_scales = length // BLOCK
   bc = cfg.block_c
-  out_shape = [jax.ShapeDtypeStruct((other, length // 2), jnp.uint8),
-               jax.ShapeDtypeStruct((other, n_scales), jnp.uint8)]
-  out_specs = [pl.BlockSpec((bc, GROUP // 2), lambda i, j: (j, i)),
-               pl.BlockSpec((bc, GROUP // BLOCK), lambda i, j: (j, i))]
+  # Outputs as the programs hold them (module docstring): codes [other / bc, L/2, bc], scales (and t)
+  # [other / bc, L/16, bc].
+  out_shape = [jax.ShapeDtypeStruct((grid[1], length // 2, bc), jnp.uint8),
+               jax.ShapeDtypeStruct((grid[1], n_scales, bc), jnp.uint8)]
+  out_specs = [pl.BlockSpec((1, GROUP // 2, bc), lambda i, j: (j, i, 0)),
+               pl.BlockSpec((1, GROUP // BLOCK, bc), lambda i, j: (j, i, 0))]
   if cfg.targets:
-    out_shape.append(jax.ShapeDtypeStruct((other, n_scales), jnp.float32))
-    out_specs.append(pl.BlockSpec((bc, GROUP // BLOCK), lambda i, j: (j, i)))
+    out_shape.append(jax.ShapeDtypeStruct((grid[1], n_scales, bc), jnp.float32))
+    out_specs.append(pl.BlockSpec((1, GROUP // BLOCK, bc), lambda i, j: (j, i, 0)))
   return pl.pallas_call(
       functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales),
       out_shape=tuple(out_shape),
@@ -208,7 +218,8 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
   params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)),
                             sign_words(transform, transform_key),
                             jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], jnp.zeros((1,), jnp.uint32)])
-  codes, scales, *t = _eden_call(x, params, cfg)
+  # To the K-major layout: [other / bc, n, bc] -> [other, n].
+  codes, scales, *t = (a.transpose(0, 2, 1).reshape(other, -1) for a in _eden_call(x, params, cfg))
   outer = jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan)
   q = QTensor(codes, jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), outer, fmt="nvfp4", axis=axis,
               shape=x.shape)
