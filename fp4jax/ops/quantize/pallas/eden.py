@@ -21,9 +21,8 @@ Two launches per view, with the one global dependency between them explicit:
      [L/2, block_c] and [L/16, block_c] of arrays [other / block_c, L/2, block_c] and [.., L/16, ..], whose
      strides do not depend on the other axis (one kernel for every shape of `pallas`'s canonical layout);
      XLA turns those into the K-major layout (a pass over bytes, a quarter of a bf16 x's size, that XLA may
-     fuse into the consumer). Turning them in registers instead, as the
-     kernel did before, made XLA's Triton compile of this kernel take 12-15 s instead of about 1 s on the H200,
-     for no faster kernel (docs/BENCHMARKS.md).
+     fuse into the consumer). Turning them in registers instead makes XLA's Triton lowering of this kernel
+     an order of magnitude slower to compile, for a kernel no faster overall (docs/BENCHMARKS.md).
 Every division is correctly rounded and every product feeding a sum rounded on its own (`exact`: PTX
 div.rn.f32 / mul.rn.f32 on the GPU, `ieee.div` / a barrier in interpret mode); the rest is float32 adds,
 multiplies, mins and integer/bit arithmetic whose results no contraction can change. A group (and every block
