@@ -1,6 +1,6 @@
 """What is specific to the MS-EDEN kernel: its pre-SR targets t (exposed for tests), explicit column blocks,
-quartet2's dequantized input, a given amax, its coverage, and in its Triton IR the exact divisions and no turned outputs. Its bits
-against the reference in fp4_dot's recipes: test_conformance.py."""
+quartet2's dequantized input, a given amax, its coverage, and in its Triton IR the exact divisions and no turned
+outputs. Its bits against the reference in fp4_dot's recipes: test_conformance.py."""
 
 import jax
 import jax.numpy as jnp

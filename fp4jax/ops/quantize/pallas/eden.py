@@ -155,7 +155,7 @@ def _grid(shape: tuple[int, int], cfg: EdenConfig):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
   grid, x_spec = _grid(x.shape, cfg)
-  length, other = grid[0] * GROUP, grid[1] * cfg.block_c
+  length = grid[0] * GROUP
   n_scales = length // BLOCK
   bc = cfg.block_c
   # Outputs as the programs hold them (module docstring): codes [other / bc, L/2, bc], scales (and t)
