@@ -24,9 +24,10 @@ A one-view launch along M with a deterministic recipe and no transform quantizes
 blocks and scales in the same K-major layout, so the same bits (an SR draw is keyed by x's flat index, which the
 transpose changes, so SR column views keep the column kernel). So does every MS-EDEN column view: its one draw
 per block is keyed by the block's K-major scale index, and its random signs by the position along the quantized
-axis, which x^T keeps. XLA's transpose is one cheap pass (for a weight it fuses into the cast to bf16) against
-the column kernel's in-register transpose: on the H200 both the 4/6 and the MS-EDEN column view of a bf16
-operand ran faster as x^T (docs/BENCHMARKS.md).
+axis, which x^T keeps. XLA's transpose is one cheap pass (for a weight it fuses into the cast to bf16): on the
+H200 the 4/6 column view of a bf16 operand ran faster as x^T than its column kernel, which turns its bytes in
+registers, and so did the MS-EDEN column view before its kernel stopped turning its outputs (docs/BENCHMARKS.md;
+that pair not yet measured again).
 """
 
 from __future__ import annotations
