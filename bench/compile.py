@@ -15,9 +15,12 @@ lm_head). `--h200` lowers for an abstract H200 on any machine (no compile phase)
 work, so their seconds carry over to the GPU machine's host roughly as the CPUs compare.
 
 `--passes N` compiles under `jax.profiler` and prints the N host events of XLA's compile with the most time
-(HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes):
-where the XLA compile phase itself goes, on the machine it runs on. Its compile seconds then include the
-profiler's own start and stop.
+(HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes),
+summed by name: where the XLA compile phase itself goes, on the machine it runs on. Then the N longest single
+events, each with its thread and its start after the first event: work on the calling thread is serial
+(the HLO passes, IR emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin) runs in
+parallel, so a sum over threads can exceed the wall time, and only the single events tell one long kernel from
+many short ones. Its compile seconds then include the profiler's own start and stop.
 
 `--h200 --triton` compiles each distinct Pallas kernel's Triton IR for sm_90 with the `triton` package (not an
 fp4jax dependency: `pip install triton==3.5.1`) and prints the count, total and slowest seconds: a CPU proxy for
@@ -40,6 +43,7 @@ import os
 import re
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,9 +123,20 @@ def inlined_size(hlo_text: str) -> int:
   return size(entry) if entry else 0
 
 
-def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]]]:
+class CompileEvent(NamedTuple):
+  """One host event XLA recorded while compiling: its name, the thread (profile line) it ran on, its start in
+  seconds after the first recorded event, and its duration in seconds."""
+
+  name: str
+  thread: str
+  start: float
+  seconds: float
+
+
+def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]], list[CompileEvent]]:
   """Compiles `lowered` under `jax.profiler`: (seconds, [(event name, count, seconds)] of the host events XLA
-  recorded while compiling, longest first). Python frames are left out; nested events are each counted."""
+  recorded while compiling, summed by name, longest first, and every single event, longest first). Python
+  frames are left out; nested events are each counted."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
@@ -129,16 +144,18 @@ def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]]]:
       lowered.compile()
     seconds = time.perf_counter() - t0
     data = ProfileData.from_file(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
+  raw = [(event.name, line.name, event.start_ns, event.duration_ns) for plane in data.planes
+         if plane.name.startswith("/host") for line in plane.lines for event in line.events
+         if not event.name.startswith("$")]
+  first = min((start for _, _, start, _ in raw), default=0)
+  singles = sorted((CompileEvent(name, thread, (start - first) * 1e-9, ns * 1e-9) for name, thread, start, ns in raw),
+                   key=lambda e: -e.seconds)
   totals: dict[str, float] = collections.defaultdict(float)
   counts: collections.Counter = collections.Counter()
-  for plane in data.planes:
-    if plane.name.startswith("/host"):
-      for line in plane.lines:
-        for event in line.events:
-          if not event.name.startswith("$"):
-            totals[event.name] += event.duration_ns * 1e-9
-            counts[event.name] += 1
-  return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])]
+  for event in singles:
+    totals[event.name] += event.seconds
+    counts[event.name] += 1
+  return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])], singles
 
 
 def kernel_name(ir: str) -> str:
@@ -181,9 +198,9 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
     t1 = time.perf_counter()
     lowered = traced.lower(lowering_platforms=("cuda",)) if h200 else traced.lower()
     t2 = time.perf_counter()
-  compile_s, events = None, []
+  compile_s, events, singles = None, [], []
   if not h200 and passes:
-    compile_s, events = compile_events(lowered)
+    compile_s, events, singles = compile_events(lowered)
   elif not h200:
     lowered.compile()
     compile_s = time.perf_counter() - t2
@@ -191,6 +208,7 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "sites": sites, "distinct": distinct,
           "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
+          "singles": singles[:passes],
           "triton": triton_seconds(modules) if h200 and triton_compile else None}
 
 
@@ -201,7 +219,11 @@ def _line(name: str, p: dict) -> str:
           f"hlo {p['hlo'] / 1e3:.1f}k")
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
-  return "\n".join([line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))])
+  lines = [line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))]
+  if p.get("singles"):
+    lines.append("      longest single events (seconds, start, thread, event):")
+    lines += [f"      {e.seconds:7.2f} s  at {e.start:6.2f} s  {e.thread[:24]:24s}  {e.name}" for e in p["singles"]]
+  return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -1,11 +1,13 @@
 """The benchmark app runs end to end on CPU (tiny shapes, interpret mode) and parses what it must."""
 
+import collections
 import dataclasses
 import json
 import os
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from bench import compile as compile_bench
@@ -49,9 +51,27 @@ def test_bench_compile_small_smoke(capsys):
 
 def test_bench_compile_passes_lists_xla_compile_events(capsys):
   main(["--compile-cache", "off", "compile", "--small", "--shapes", "0", "--routes", "bf16", "--passes", "3"])
-  events = [l for l in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\.\d+ s\s+\d+x  \S", l)]
+  out = capsys.readouterr().out.splitlines()
+  events = [l for l in out if re.match(r"\s+\d+\.\d+ s\s+\d+x  \S", l)]
   assert len(events) == 6, events  # three per compile, forward and forward + backward
   assert not any("$" in l for l in events)  # XLA's events, not Python frames
+  singles = [re.match(r"\s+(\d+\.\d+) s  at\s+(\d+\.\d+) s  .{24}  (\S.*)$", l) for l in out]
+  singles = [(float(m.group(1)), m.group(3)) for m in singles if m]
+  assert len(singles) == 6, out  # the three longest single events of each compile
+  first = singles[:3]
+  assert first == sorted(first, reverse=True), first  # longest first
+
+
+def test_compile_events_single_events_sum_to_the_totals():
+  """The single events of `compile_events` are the events its totals sum by name."""
+  lowered = jax.jit(lambda a: jnp.sin(a) @ a).trace(jax.ShapeDtypeStruct((64, 64), jnp.float32)).lower()
+  _, totals, singles = compile_bench.compile_events(lowered)
+  by_name = collections.defaultdict(float)
+  for event in singles:
+    by_name[event.name] += event.seconds
+  assert totals and {name: round(s, 9) for name, _, s in totals} == {n: round(s, 9) for n, s in by_name.items()}
+  assert all(e.start >= 0 and e.seconds >= 0 and e.thread for e in singles)
+  assert [e.seconds for e in singles] == sorted((e.seconds for e in singles), reverse=True)
 
 def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
