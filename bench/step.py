@@ -2,10 +2,11 @@
 
   python -m bench step --preset 1b --tokens 8x2048 [--layers N] [--routes bf16 mxfp4 ...] [--iters 10]
                        [--profile] [--scan [--scan-saves outputs|operands]] [--attention auto|xla|cudnn]
-                       [--unfused-linears]
+                       [--unfused-linears] [--microbatches N]
                        [--out step.json] [--hlo DIR]
 
-The step is `python -m train`'s: next-token cross-entropy, `nnx.value_and_grad`, AdamW, the state donated;
+The step is `python -m train`'s: next-token cross-entropy and its gradient (`train.train.loss_and_grads`: in
+`--microbatches` sequential passes, as `data.microbatches` does), AdamW, the state donated;
 bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
 are uniform random ids (the step's speed does not depend on their values). `--layers` keeps a preset's layer
 shapes with fewer layers (`--preset llama3_8b --layers 8`: Llama-3-8B blocks on one GPU). Besides fp4jax's
@@ -46,6 +47,7 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, platform
+from train import train as train_lib
 from train.errors import UserError
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
@@ -74,6 +76,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
+  parser.add_argument("--microbatches", type=args_lib.int_at_least(1), default=1, metavar="N",
+                      help="split each step's batch into N sequential passes, gradients averaged (train's "
+                           "data.microbatches; default: %(default)s)")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
   parser.add_argument("--top", type=args_lib.int_at_least(1), default=15, metavar="N",
                       help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
@@ -83,16 +88,23 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
                layers: int | None = None, attention: str = "auto", scan_saves: str = "outputs",
-               fuse_linears: bool = True):
+               fuse_linears: bool = True, microbatches: int = 1):
   """(train_step, create_state, abstract state, abstract tokens, LlamaConfig) for a Llama preset with `route`
-  on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward and
-  AdamW as `python -m train` does; `create_state()` returns freshly initialized state."""
+  on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward (in
+  `microbatches` sequential passes) and AdamW as `python -m train` does; `create_state()` returns freshly
+  initialized state."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
   flax = route == flax_fp8.NAME  # Flax's FP8 op on bf16 linears, with its delayed-scaling state
   overrides = {"n_layers": layers} if layers else {}
+  if batch % microbatches:
+    raise UserError(f"bench step: the batch of {batch} sequences does not split into --microbatches "
+                    f"{microbatches} equal passes")
+  if flax and microbatches > 1:
+    raise UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); "
+                    f"drop --microbatches")
   if attention == "cudnn" and jax.default_backend() != "gpu":
     raise UserError(f"bench step: --attention cudnn needs a GPU (this backend: {jax.default_backend()}); use auto "
                     f"or xla")
@@ -111,20 +123,16 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
   base_key = jax.random.key(0)
 
-  def loss_fn(model, tokens, key):
-    logits = model(tokens[:, :-1], key=key)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-
   def train_step(state, tokens, i):
     model, optimizer = nnx.merge(graphdef, state)
     key = jax.random.fold_in(base_key, i)
     if flax:  # the FP8 state's "gradients" are its next values: written back, not optimized
       wrt = nnx.DiffState(0, (nnx.Param, flax_fp8.Fp8Meta))
-      loss, grads = nnx.value_and_grad(loss_fn, argnums=wrt)(model, tokens, key)
+      loss, grads = nnx.value_and_grad(train_lib.cross_entropy, argnums=wrt)(model, tokens, key)
       grads, fp8_state = flax_fp8.split_grads(grads)
       nnx.update(model, fp8_state)
     else:
-      loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, key)
+      loss, grads = train_lib.loss_and_grads(model, tokens, key, microbatches)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
@@ -158,10 +166,10 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
   step_fn, create, abstract, tokens_spec, cfg = llama_step(
       args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
-      scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears)
+      scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
          "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention,
-         "fused_linears": cfg.fuse_linears}
+         "fused_linears": cfg.fuse_linears, "microbatches": args.microbatches}
   t0 = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(
       abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
@@ -268,7 +276,8 @@ def run(args: argparse.Namespace) -> None:
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
         f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}, "
-        f"linears {'unfused' if args.unfused_linears else 'fused'}", flush=True)
+        f"linears {'unfused' if args.unfused_linears else 'fused'}"
+        f"{f', {args.microbatches} microbatches per step' if args.microbatches > 1 else ''}", flush=True)
   rows = []
   for route in args.routes:
     try:

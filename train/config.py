@@ -126,7 +126,11 @@ class DataConfig:
   tokenizer: str = "byte"  # byte | gpt2 | sentencepiece
   tokenizer_path: str = ""  # gpt2: directory with encoder.json + vocab.bpe; sentencepiece: the .model file
   seq_len: int = 128
-  batch_size: int = 16
+  batch_size: int = 16  # sequences per optimizer step
+  # Sequential passes per step: the batch is split into this many equal microbatches whose gradients are
+  # averaged (the whole batch's update, up to float32 summation order), so only one microbatch's activations
+  # are alive at a time. 1: the whole batch in one pass.
+  microbatches: int = 1
   eval_fraction: float = 0.01  # last fraction of documents held out (ignored when eval_sources is set)
   eval_sources: tuple[str, ...] = ()
   cache_dir: str = ".cache/fp4jax-tokens"
@@ -134,7 +138,11 @@ class DataConfig:
 
   def __post_init__(self):
     _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0,
-                                 "eval_fraction": _OPEN_FRACTION, "tokenizer": _one_of(TOKENIZERS)})
+                                 "microbatches": _AT_LEAST_1, "eval_fraction": _OPEN_FRACTION,
+                                 "tokenizer": _one_of(TOKENIZERS)})
+    if self.batch_size % self.microbatches:
+      raise ConfigError(f"data.batch_size={self.batch_size} must be a multiple of data.microbatches="
+                        f"{self.microbatches} (equal microbatches)")
     if not self.sources:
       raise ConfigError("data.sources is empty: name at least one file, glob or 'stdlib'")
 

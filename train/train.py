@@ -2,7 +2,8 @@
 
 Jit style: functional NNX. `nnx.split((model, optimizer))` gives a static graphdef and one `nnx.State`
 pytree; `train_step(state, batch, step)` merges them inside `jax.jit`, takes the gradient with
-`nnx.value_and_grad`, applies `optimizer.update` and returns the new state. The input state is donated
+`nnx.value_and_grad` (in `data.microbatches` sequential passes: `loss_and_grads`), applies `optimizer.update`
+and returns the new state. The input state is donated
 (`donate_argnums=0`), so parameters and Adam moments are updated in place. The state is created directly
 with its shardings (`jax.jit(init, out_shardings=...)`), from the `nnx.with_partitioning` metadata the
 model puts on its params (mesh axes ("data", "fsdp")); batches are sharded over both axes.
@@ -96,9 +97,11 @@ def route_configs(cfg: config_lib.Config) -> list[tuple[str, config_lib.Config]]
 def check_mesh(cfg: config_lib.Config) -> Mesh:
   """The run's mesh; fails if it does not fit the devices or the batch does not split over it."""
   mesh = make_mesh(cfg.run.mesh)
-  if cfg.data.batch_size % mesh.size:
-    raise UserError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {mesh.size} devices of "
-                    f"run.mesh={list(cfg.run.mesh)}")
+  per_pass = cfg.data.batch_size // cfg.data.microbatches
+  if per_pass % mesh.size:
+    split = (f"data.batch_size={cfg.data.batch_size}" if cfg.data.microbatches == 1 else
+             f"data.batch_size / data.microbatches = {cfg.data.batch_size} / {cfg.data.microbatches} = {per_pass}")
+    raise UserError(f"{split} must be a multiple of the {mesh.size} devices of run.mesh={list(cfg.run.mesh)}")
   return mesh
 
 
@@ -190,6 +193,37 @@ def cross_entropy(model, batch: jax.Array, key: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
+def loss_and_grads(model, batch: jax.Array, key: jax.Array, microbatches: int = 1):
+  """(mean cross-entropy, its gradient w.r.t. the model's Params) of batch [B, T+1], in `microbatches`
+  sequential passes of B / microbatches sequences each (`data.microbatches`).
+
+  One pass is `nnx.value_and_grad(cross_entropy)` itself. With more, a `lax.scan` runs the passes one after the
+  other, so only one microbatch's activations are alive at a time, and sums their losses and float32
+  gradients, then divides by their count: the whole batch's mean, up to the order of the float32 sums.
+  Microbatch i holds rows i, i + microbatches, i + 2 microbatches, ... of the batch, so each device's rows of
+  a batch sharded over the mesh are its rows of every microbatch (no data moves), and draws its random bits
+  (SR, random Hadamard signs) with fold_in(key, i).
+  """
+  if microbatches == 1:
+    return nnx.value_and_grad(cross_entropy)(model, batch, key)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p, mb, k):
+    return cross_entropy(nnx.merge(graphdef, p, rest), mb, k)
+
+  b = batch.shape[0]
+  passes = batch.reshape(b // microbatches, microbatches, -1).swapaxes(0, 1)  # [microbatches, B/m, T+1]
+
+  def one_pass(total, xs):
+    mb, i = xs
+    value, grads = jax.value_and_grad(loss)(params, mb, jax.random.fold_in(key, i))
+    return jax.tree.map(jnp.add, total, (value, grads)), None
+
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  total, _ = jax.lax.scan(one_pass, zero, (passes, jnp.arange(microbatches, dtype=jnp.int32)))
+  return jax.tree.map(lambda t: t / microbatches, total)
+
+
 @dataclasses.dataclass
 class TrainState:
   """The jitted functions and live state of one run (what `init_train_state` builds)."""
@@ -238,7 +272,7 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   def keyed_train_step(state, batch, step, base_key):
     model, optimizer = nnx.merge(graphdef, state)
     key = jax.random.fold_in(base_key, step)
-    loss, grads = nnx.value_and_grad(cross_entropy)(model, batch, key)
+    loss, grads = loss_and_grads(model, batch, key, cfg.data.microbatches)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss, optax.tree.norm(grads)
 

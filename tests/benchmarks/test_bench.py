@@ -108,6 +108,10 @@ def test_cli_errors():
     (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
      r"--linears: no FP4Linear at \['layers.0.attn.qq'\]"),
     (["step", "--preset", "tiny", "--tokens", "2x16", "--attention", "cudnn", "--routes", "bf16"], "cudnn needs a GPU"),
+    (["step", "--preset", "tiny", "--tokens", "3x16", "--microbatches", "2", "--routes", "bf16"],
+     "batch of 3 sequences does not split into --microbatches 2 equal passes"),
+    (["step", "--preset", "tiny", "--tokens", "2x16", "--microbatches", "2", "--routes", "flax_fp8"],
+     "flax_fp8 runs in one pass"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
   """Input mistakes are a one-line error and exit status 2 (1 means a failed check), never a traceback."""
@@ -263,6 +267,28 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
+
+
+def test_bench_step_microbatches(tmp_path):
+  """`--microbatches 2` runs the step in two passes (train's data.microbatches): the row says so, and the
+  updated parameters equal one pass's up to float32 summation order (a dropped pass would change them)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "step.json"
+  main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "4x32", "--routes", "mxfp4", "--iters",
+        "1", "--microbatches", "2", "--out", str(out)])
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["microbatches"] == 2 and row["tokens_per_s"] > 0
+  params = []
+  for microbatches in (1, 2):
+    step_fn, create, _, _, cfg = step.llama_step("tiny", "bf16", batch=4, seq=32, microbatches=microbatches)
+    tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size, jnp.int32)
+    state, _ = jax.jit(step_fn)(create(), tokens, jnp.int32(0))
+    params.append(np.concatenate([np.asarray(l, np.float32).ravel() for l in jax.tree.leaves(state[0])]))
+  # Each pass's bf16 weight gradient is rounded before the two are summed, so the gradients differ in bf16's
+  # last bits. The first AdamW update (lr 1e-4) is lr * g / |g|: equal unless a near-zero g flips its sign
+  # (0.3% of the elements here), and then at most 2 lr apart. Half the batch's gradient would flip far more.
+  close = np.isclose(params[1], params[0], rtol=1e-4, atol=1e-6)
+  assert close.mean() > 0.99 and np.abs(params[1] - params[0]).max() <= 2.5e-4, (close.mean(),)
 
 
 def test_flax_fp8_baseline_keeps_delayed_scaling_state(tmp_path):

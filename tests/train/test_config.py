@@ -43,6 +43,8 @@ def test_yaml_and_overrides(tmp_path):
     ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none', 'off' or a directory path"),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
+    ("data.microbatches=0", r"data.microbatches=0 must be >= 1"),
+    ("data.microbatches=3", r"data.batch_size=16 must be a multiple of data.microbatches=3 \(equal microbatches\)"),
     ("model.scan_saves=all", r"model.scan_saves='all' must be one of \['outputs', 'operands'\]"),
     ("model.scan_layers=sometimes", r"model.scan_layers='sometimes' must be one of \[True, False, 'auto'\]"),
     ("optim.warmup=-5", r"optim.warmup=-5 must be >= 0"),

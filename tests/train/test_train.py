@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fp4jax import platform
 from train import checkpoint, config, metrics, train
 from train.errors import UserError
 from train.main import EXIT_FAILED_RUN, main
+from tiny_steps import tiny_steps
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
 TOKENS = np.frombuffer(TEXT, np.uint8).astype(np.uint16)
@@ -240,26 +242,58 @@ def test_the_compiled_steps_do_not_depend_on_the_seed(tmp_path):
   assert texts[0] == texts[1]
 
 
-_SHARDED = textwrap.dedent("""
-  import json, sys
-  import jax, jax.numpy as jnp, numpy as np
-  from train import config, train
-  cfg = config.from_dict({"model": {"preset": "tiny", "dtype": "float32"}, "data": {"seq_len": 32, "batch_size": 8},
-                          "optim": {"lr": 1e-3, "warmup": 0}, "run": {"steps": 4}})
+def test_microbatches_give_the_whole_batch_update():
+  """data.microbatches splits a step's batch into sequential passes whose gradients are averaged: the same
+  losses and parameters as one pass, up to the order of float32 sums (same bounds as the sharded test below);
+  a lost or doubled microbatch would move the loss by > 1e-3."""
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, 257, (8, 33)).astype(np.int32) for _ in range(3)]
+  mesh = train.make_mesh((1, 1), jax.devices()[:1])
+  out = {m: tiny_steps(batches, mesh, m) for m in (1, 2, 4)}
+  for microbatches in (2, 4):
+    np.testing.assert_allclose(out[microbatches]["losses"], out[1]["losses"], rtol=2e-6, err_msg=str(microbatches))
+    got, want = out[microbatches]["params"], out[1]["params"]
+    assert np.isclose(got, want, rtol=1e-4, atol=1e-6).mean() > 1 - 1e-4, microbatches
+    assert np.abs(got - want).max() <= 3 * 2 * 1e-3, microbatches
+
+
+def test_microbatches_draw_their_own_keys():
+  """Under a keyed route (mxfp4's SR dY) each microbatch draws its own bits: two microbatches holding the same
+  rows give a different gradient than one pass would only through those draws, and the step still runs."""
+  cfg = config.from_dict({"model": {"preset": "tiny", "dtype": "float32"}, "route": "mxfp4",
+                          "kernels": {"quantizer": "xla"},
+                          "data": {"seq_len": 32, "batch_size": 4, "microbatches": 2},
+                          "optim": {"lr": 1e-3, "warmup": 0}, "run": {"steps": 2}})
+  ts = train.init_train_state(cfg, 257, train.make_mesh((1, 1), jax.devices()[:1]))
+  model, _ = nnx.merge(ts.graphdef, ts.state)
+  row = np.random.default_rng(1).integers(0, 257, (1, 33)).astype(np.int32)
+  batch = jnp.asarray(np.repeat(row, 4, axis=0))  # microbatch 0 = rows 0, 2; microbatch 1 = rows 1, 3: equal
+  key = jax.random.key(3)
+  _, split = train.loss_and_grads(model, batch, key, 2)
+  _, whole = train.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 0), 1)
+  _, again = train.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 1), 1)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, whole, again)
+  for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(mean)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(again)))  # the two draws differ
+
+
+_SHARDED = textwrap.dedent("""
+  import json, sys
+  import jax, numpy as np
+  sys.path.insert(0, "tests/train")
+  from tiny_steps import tiny_steps
+  from train import train
   out = {}
-  for name, shape, devs in [("single", (1, 1), jax.devices()[:1]), ("fsdp8", (1, 8), None),
-                            ("data2_fsdp4", (2, 4), None)]:
-    ts = train.init_train_state(cfg, 257, train.make_mesh(shape, devs))
-    specs = {str(l.sharding.spec) for l in jax.tree.leaves(ts.state)}
-    losses = []
-    for i, b in enumerate(batches):
-      ts.state, loss, _ = ts.train_step(ts.state, train.to_global(b, ts.batch_sharding), jnp.int32(i))
-      losses.append(float(loss))
-    params = np.concatenate([np.asarray(l, np.float32).ravel() for l in jax.tree.leaves(ts.state)
-                             if l.dtype == jnp.float32])
-    out[name] = {"losses": losses, "specs": sorted(specs), "params": params.tolist()}
+  # The last two: 16 sequences in 2 microbatches of 8, each split over the 8 devices.
+  for name, shape, devs, batch, microbatches in [
+      ("single", (1, 1), jax.devices()[:1], 8, 1), ("fsdp8", (1, 8), None, 8, 1),
+      ("data2_fsdp4", (2, 4), None, 8, 1), ("single_16", (1, 1), jax.devices()[:1], 16, 1),
+      ("data2_fsdp4_mb2", (2, 4), None, 16, 2)]:
+    batches = [np.random.default_rng(i).integers(0, 257, (batch, 33)).astype(np.int32) for i in range(3)]
+    run = tiny_steps(batches, train.make_mesh(shape, devs), microbatches)
+    out[name] = dict(run, params=run["params"].tolist())
   json.dump(out, sys.stdout)
 """)
 
@@ -271,8 +305,8 @@ def test_sharded_step_matches_single_device():
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
   assert any("fsdp" in s for s in out["fsdp8"]["specs"]), out["fsdp8"]["specs"]
-  ref = out["single"]
-  for name in ("fsdp8", "data2_fsdp4"):
+  for name, ref in (("fsdp8", out["single"]), ("data2_fsdp4", out["single"]),
+                    ("data2_fsdp4_mb2", out["single_16"])):
     # Sharding only reorders float32 sums (the batch mean, gradient reductions across shards); all-gathers are
     # exact. That moves the loss by a few float32 ulps of each sum (~1e-7 relative); a wrong shard or a
     # dropped slice moves it by > 1e-3.
