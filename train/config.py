@@ -400,15 +400,19 @@ RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out
 def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral: dict[str, set[str]] | None = None
                      ) -> list[str]:
   """'key: saved -> now' for every result-relevant setting that differs between two `to_dict` trees (settings in
-  RESULT_NEUTRAL, or in `also_neutral`, are left out)."""
+  RESULT_NEUTRAL, or in `also_neutral`, are left out).
+
+  A section setting the saved tree lacks was added to Config after that run was saved, and counts as its
+  default: a new setting defaults to what runs did before it existed (data.microbatches = 1, one pass)."""
   also_neutral = also_neutral or {}
+  defaults = to_dict(Config())
   out = []
   for section, value in now.items():
     old = saved.get(section)
     if not isinstance(value, dict):
       out += [f"{section}: {old!r} -> {value!r}"] if old != value else []
       continue
-    old = old if isinstance(old, dict) else {}
+    old = {**defaults.get(section, {}), **old} if isinstance(old, dict) else {}
     neutral = RESULT_NEUTRAL.get(section, set()) | also_neutral.get(section, set())
     out += [f"{section}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items()
             if k not in neutral and old.get(k) != v]

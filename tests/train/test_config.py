@@ -142,3 +142,14 @@ def test_model_override_mistake_is_one_cli_line(tmp_path, capsys, monkeypatch):
   assert main(argv) == EXIT_USER_ERROR
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
       "python -m train: error: model.overrides.rope_theta=-1.0 must be a finite number > 0")
+
+
+def test_a_setting_added_since_a_run_was_saved_counts_as_its_default():
+  """Runs saved before data.microbatches existed trained in one pass: their records and checkpoints still match a
+  config at the default, and differ from one that asks for more passes."""
+  now = config.to_dict(config.Config())
+  saved = config.to_dict(config.Config())
+  del saved["data"]["microbatches"]
+  assert config.changed_settings(saved, now) == []
+  more = config.to_dict(config.replace(config.Config(), data={"batch_size": 16, "microbatches": 2}))
+  assert config.changed_settings(saved, more) == ["data.microbatches: 1 -> 2"]
