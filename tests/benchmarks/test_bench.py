@@ -73,6 +73,7 @@ def test_compile_events_single_events_sum_to_the_totals():
   assert all(e.start >= 0 and e.seconds >= 0 and e.thread for e in singles)
   assert [e.seconds for e in singles] == sorted((e.seconds for e in singles), reverse=True)
 
+
 def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
   rc = main(["quantize", "--interpret", "--shapes", "64x128", "--variants",
