@@ -65,3 +65,20 @@ def int_at_least(low: int) -> Callable[[str], int]:
 def shapes(value: str) -> list[tuple[int, int]]:
   """A comma-separated list of MxK shapes with positive sizes, as [(M, K), ...]."""
   return [shape(item) for item in value.split(",")]
+
+
+def scan_value(value: str) -> str:
+  """`--scan`'s optional value: "auto" (`add_scan`)."""
+  if value != "auto":
+    raise argparse.ArgumentTypeError(f"takes no value (every route scanned) or 'auto' (quantized routes scanned, "
+                                     f"bf16 unrolled), got {value!r}")
+  return value
+
+
+def add_scan(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+  """`--scan` (True: every route's blocks as one scanned body), `--scan auto` (as training's default
+  `model.scan_layers: auto` runs them: scanned for a quantized route, unrolled for bf16), default False
+  (unrolled). `step.scanned` resolves it per route."""
+  parser.add_argument("--scan", nargs="?", const=True, default=False, type=scan_value, metavar="auto",
+                      help=f"{prefix}run same-route blocks as one scanned body; 'auto': only a quantized route's, "
+                           f"as training's model.scan_layers: auto does")

@@ -1,7 +1,7 @@
 """`python -m bench compile`: where compile time goes, per route.
 
   python -m bench compile [--shapes 0] [--routes ...]                fp4_dot forward and forward+backward
-  python -m bench compile --step 30m [--tokens 8x512] [--scan] [--unfused-linears] [--h200] [--routes ...]
+  python -m bench compile --step 30m [--tokens 8x512] [--scan [auto]] [--unfused-linears] [--h200] [--routes ...]
                                                                    a whole train step
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
 
@@ -29,7 +29,10 @@ A rough one: XLA compiles each launch configuration, not each IR, on parallel th
 of a kernel can take several times the proxy's (docs/BENCHMARKS.md, H200 session of 2026-12-03, 06:55); on a
 GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, PTX->CUBIN).
 
-Compiles are cold (the persistent cache is off) unless `--warm`.
+Compiles are cold (the persistent cache is off) unless `--warm`. Each step row ends with its first call (trace +
+lower + compile: what a training run waits for before its first step), and with bf16 among the routes a last line
+gives each route's first call against bf16's: with `--scan auto`, as training runs them by default (a quantized
+route's blocks scanned, bf16's unrolled), issue 12's comparison.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import jax.numpy as jnp
 
 from bench import args as args_lib
 from bench import dot, triton
-from bench.step import llama_step
+from bench.step import llama_step, scanned
 from fp4jax import platform
 from train.errors import UserError
 
@@ -63,7 +66,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="time a whole Llama train step of this preset instead")
   parser.add_argument("--tokens", type=args_lib.tokens, default="8x512",
                       help="--step's batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--scan", action="store_true", help="--step: run same-route blocks as one scanned body")
+  args_lib.add_scan(parser, "--step: ")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="--step: one product per linear (LlamaConfig.fuse_linears=False)")
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
@@ -214,7 +217,8 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
 
 def _line(name: str, p: dict) -> str:
   compiled = "   n/a" if p["compile"] is None else f"{p['compile']:6.1f}"
-  line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s  "
+  first = "" if p["compile"] is None else f"  first call {p['trace'] + p['lower'] + p['compile']:6.1f} s"
+  line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s{first}  "
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct IR / {p['launches']} launch configs  "
           f"hlo {p['hlo'] / 1e3:.1f}k")
   if p.get("triton") is not None:
@@ -242,14 +246,21 @@ def run(args: argparse.Namespace) -> None:
   key = jax.random.key(0)
   if args.step:
     batch, seq = args.tokens
+    first_calls = {}
     for route in args.routes:
-      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan,
+      scan = scanned(args.scan, route)
+      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=scan,
                                              fuse_linears=not args.unfused_linears)
-      name = (f"{args.step} {'scanned' if args.scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
+      name = (f"{args.step} {'scanned' if scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
               f"{batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
                        passes=args.passes, triton_compile=args.triton)
       print(_line(name, phases), flush=True)
+      if phases["compile"] is not None:
+        first_calls[route] = phases["trace"] + phases["lower"] + phases["compile"]
+    if "bf16" in first_calls and len(first_calls) > 1:
+      print("  first call x bf16's: " + ", ".join(f"{route} {s / first_calls['bf16']:.2f}"
+                                                for route, s in first_calls.items() if route != "bf16"), flush=True)
     return
   shapes, m = dot.selected_shapes(args)
   for sname, k, n in shapes:

@@ -1,7 +1,7 @@
 """`python -m bench step`: one jitted Llama train step per route: tokens/s, MFU, memory, where the time goes.
 
   python -m bench step --preset 1b --tokens 8x2048 [--layers N] [--routes bf16 mxfp4 ...] [--iters 10]
-                       [--profile] [--scan [--scan-saves outputs|operands]] [--attention auto|xla|cudnn]
+                       [--profile] [--scan [auto] [--scan-saves outputs|operands]] [--attention auto|xla|cudnn]
                        [--unfused-linears] [--microbatches N]
                        [--out step.json] [--hlo DIR]
 
@@ -47,6 +47,7 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, platform
+from fp4jax import route as route_lib
 from train import train as train_lib
 from train.errors import UserError
 
@@ -70,7 +71,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op, `bench.flax_fp8`); "
                            f"default: %(default)s")
   parser.add_argument("--iters", type=args_lib.int_at_least(1), default=10, help="timed steps per route")
-  parser.add_argument("--scan", action="store_true", help="run same-route blocks as one scanned body")
+  args_lib.add_scan(parser)
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
                       help="what a scanned block keeps for its backward (fp4jax.nn.llama.model.SCAN_POLICIES)")
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
@@ -84,6 +85,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
   parser.add_argument("--out", help="write the rows as JSON here")
   parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")
+
+
+def scanned(scan: bool | str, route: str) -> bool:
+  """Whether `route`'s blocks run as a scanned body under `--scan`'s value (`args.add_scan`): True or False as
+  given; for "auto" as `Llama(scan_layers="auto")` decides, scanned where the blocks' linears quantize (not for
+  bf16, nor for flax_fp8, whose linears are bf16 ones converted to Flax's FP8 op)."""
+  if scan != "auto":
+    return bool(scan)
+  return route != flax_fp8.NAME and not route_lib.get(route).high_precision
 
 
 def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
@@ -164,11 +174,12 @@ def _is_oom(err: Exception) -> bool:
 
 def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
+  scan = scanned(args.scan, route)
   step_fn, create, abstract, tokens_spec, cfg = llama_step(
-      args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
+      args.preset, route, batch=batch, seq=seq, scan=scan, layers=args.layers, attention=args.attention,
       scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
-         "scan": args.scan, "scan_saves": args.scan_saves if args.scan else None, "attention": args.attention,
+         "scan": scan, "scan_saves": args.scan_saves if scan else None, "attention": args.attention,
          "fused_linears": cfg.fuse_linears, "microbatches": args.microbatches}
   t0 = time.perf_counter()
   compiled = jax.jit(step_fn, donate_argnums=0).lower(
@@ -177,7 +188,7 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   _progress(route, f"compiled in {row['compile_s']:.1f} s")
   if args.hlo:
     path = pathlib.Path(args.hlo) / (f"{args.preset}_{cfg.n_layers}l_{batch}x{seq}_"
-                                     f"{'scan_' + args.scan_saves if args.scan else 'unrolled'}_{route}.hlo.txt")
+                                     f"{'scan_' + args.scan_saves if scan else 'unrolled'}_{route}.hlo.txt")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(compiled.as_text())
   row["memory_bytes"] = planned_bytes(compiled)
@@ -244,6 +255,9 @@ def _progress(route: str, message: str) -> None:
 
 def _table(rows: list[dict]) -> str:
   base = {(r["preset"], r["layers"]): r["tokens_per_s"] for r in rows if r["route"] == "bf16" and "step_s" in r}
+  # Under `--scan auto` the rows differ in how their blocks run: the route column says so.
+  mixed = len({r.get("scan") for r in rows if "error" not in r}) > 1
+  label = lambda r: f"{r['route']} ({'scanned' if r['scan'] else 'unrolled'})" if mixed else r["route"]
   lines = [f"{'route':18s} {'compile s':>9s} {'ms/step':>8s} {'tokens/s':>10s} {'x bf16':>7s} {'MFU':>6s} "
            f"{'GiB':>6s}"]
   for r in rows:
@@ -252,7 +266,7 @@ def _table(rows: list[dict]) -> str:
       continue
     ratio = r["tokens_per_s"] / base[(r["preset"], r["layers"])] if (r["preset"], r["layers"]) in base else None
     mem = f"{r['memory_bytes'] / 2**30:6.1f}" if r["memory_bytes"] is not None else "   n/a"
-    lines.append(f"{r['route']:18s} {r['compile_s']:9.1f} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} "
+    lines.append(f"{label(r):18s} {r['compile_s']:9.1f} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:10,.0f} "
                  f"{'' if ratio is None else f'{ratio:7.2f}':>7s} "
                  f"{'' if r['mfu'] is None else f'{r['mfu']:6.1%}':>6s} {mem}")
   profiled = [r for r in rows if "breakdown_s" in r]
@@ -270,12 +284,20 @@ def _table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _blocks(args: argparse.Namespace) -> str:
+  """How the blocks run, for the header line."""
+  saving = f"saving {args.scan_saves}"
+  if args.scan == "auto":
+    return f"blocks scanned ({saving}) for quantized routes, unrolled for bf16 (as training's scan_layers: auto)"
+  return f"scanned ({saving})" if args.scan else "unrolled"
+
+
 def run(args: argparse.Namespace) -> None:
   """Measures each route in turn (an out-of-memory route becomes a row saying so), printing the table after each."""
   batch, seq = args.tokens
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
-        f"{f'scanned (saving {args.scan_saves})' if args.scan else 'unrolled'}, attention {args.attention}, "
+        f"{_blocks(args)}, attention {args.attention}, "
         f"linears {'unfused' if args.unfused_linears else 'fused'}"
         f"{f', {args.microbatches} microbatches per step' if args.microbatches > 1 else ''}", flush=True)
   rows = []

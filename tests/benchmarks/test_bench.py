@@ -130,6 +130,7 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     (["quantize", "--shapes", "16384x4096,12y3"], "argument --shapes: '12y3' is not MxK"),
     (["step", "--iters", "0"], "argument --iters: 0 must be >= 1"),
     (["diagnose", "--samples", "two"], "argument --samples: 'two' is not an integer"),
+    (["compile", "--step", "tiny", "--scan", "all"], "argument --scan: takes no value .* or 'auto'"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_:
@@ -268,6 +269,30 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
+
+
+def test_scan_auto_runs_each_route_as_training_does(tmp_path, capsys):
+  """`--scan auto`: a quantized route's blocks scanned, bf16's unrolled (training's `model.scan_layers: auto`),
+  in `bench step` (each row says how) and `bench compile` (which ends with each first call against bf16's)."""
+  out = tmp_path / "step.json"
+  main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--scan", "auto", "--routes",
+        "bf16", "mxfp4", "--iters", "1", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["route"], r["scan"], r["scan_saves"]) for r in rows] == [("bf16", False, None),
+                                                                      ("mxfp4", True, "outputs")]
+  printed = capsys.readouterr().out
+  assert "for quantized routes, unrolled for bf16" in printed
+  assert re.search(r"^bf16 \(unrolled\) ", printed, re.M) and re.search(r"^mxfp4 \(scanned\) ", printed, re.M)
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--scan", "auto", "--routes",
+        "bf16", "mxfp4"])
+  lines = capsys.readouterr().out.splitlines()
+  firsts = {l.split()[3]: float(re.search(r"first call +([\d.]+) s", l).group(1)) for l in lines
+            if l.startswith("  tiny ")}
+  assert [l.split()[1] for l in lines if l.startswith("  tiny ")] == ["unrolled", "scanned"]
+  ratio = float(re.search(r"first call x bf16's: mxfp4 ([\d.]+)", lines[-1]).group(1))
+  assert abs(ratio - firsts["mxfp4"] / firsts["bf16"]) < 0.01 + 0.01 * ratio, (lines[-1], firsts)
+  assert step.scanned(True, "bf16") and not step.scanned(False, "mxfp4")
+  assert step.scanned("auto", "fp8") and not step.scanned("auto", "flax_fp8")
 
 
 def test_bench_step_microbatches(tmp_path):
