@@ -9,7 +9,7 @@
 Each GEMM runs on a backend of `fp4jax.ops.gemm` (dequant(a) @ dequant(b).T). A transform of a GEMM (fixed or
 random Hadamard) is applied to both of its operands along the contraction axis, with the same signs, so it
 cancels in the product. Random bits: one `key` per call, split per operand role and per GEMM by
-`fp4jax.route.operand_key` / `transform_key` (fold_in with fixed indices).
+`fp4jax.route.operand_key` / `transform_key` (`prng.fold_in` with fixed indices).
 
 Residuals (what the forward saves for the backward): only what the backward GEMMs read, already quantized:
   * X for wgrad: the QTensor of X quantized along M (wgrad_x spec), or X itself if wgrad_x is high precision.

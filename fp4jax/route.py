@@ -10,10 +10,11 @@ static object.
 
 Random bits: a route that needs them (`Route.needs_key`) takes one key per call; `operand_key` and
 `transform_key` derive a deterministic key per operand role and per GEMM from it (the rule is public so
-that references and kernels reproduce it):
-  operand_key(key, role)  = jax.random.fold_in(key, ROLE_INDEX[role])   (rounding: SR, MS-EDEN)
-  transform_key(key, gemm) = jax.random.fold_in(key, GEMM_INDEX[gemm])  (random Hadamard signs; the same
-                                                                         key for both operands of a GEMM)
+that references and kernels reproduce it; `prng.fold_in` is fp4jax's cheap counterpart of
+`jax.random.fold_in`, see `fp4jax.numerics.prng`):
+  operand_key(key, role)  = prng.fold_in(key, ROLE_INDEX[role])   (rounding: SR, MS-EDEN)
+  transform_key(key, gemm) = prng.fold_in(key, GEMM_INDEX[gemm])  (random Hadamard signs; the same key for
+                                                                   both operands of a GEMM)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from fp4jax.numerics import prng
 from fp4jax.numerics.spec import HP, TRANSFORMS, OperandKeys, OperandSpec
 
 ROLES = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x")
@@ -88,12 +90,12 @@ class Route:
 
 def operand_key(key: jax.Array, role: str) -> jax.Array:
   """The rounding key of one operand role (see the module docstring)."""
-  return jax.random.fold_in(key, ROLE_INDEX[role])
+  return prng.fold_in(key, ROLE_INDEX[role])
 
 
 def transform_key(key: jax.Array, gemm: str) -> jax.Array:
   """The random-Hadamard key of one GEMM, shared by both of its operands."""
-  return jax.random.fold_in(key, GEMM_INDEX[gemm])
+  return prng.fold_in(key, GEMM_INDEX[gemm])
 
 
 def _key_indices(spec: OperandSpec, role: str) -> tuple[int | None, int | None]:
@@ -107,24 +109,18 @@ def operand_keys(spec: OperandSpec, key: jax.Array, role: str) -> OperandKeys:
   """The keys quantizing operand `role` under `spec` takes from the call's key: its rounding key (None for
   round-to-nearest) and its GEMM's transform key (None without random Hadamard signs)."""
   rounding, transform = _key_indices(spec, role)
-  return OperandKeys(None if rounding is None else jax.random.fold_in(key, rounding),
-                     None if transform is None else jax.random.fold_in(key, transform))
-
-
-def fold_in_all(key: jax.Array, indices) -> jax.Array:
-  """[fold_in(key, i) for i in indices] as one vectorized fold_in (a batch of keys, indexable), the same bits as
-  one fold_in per index: fold_in is elementwise in its data. One threefry over the indices instead of one
-  (~150-330 HLO instructions) per index, at every call site a model inlines."""
-  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(indices, jnp.uint32))
+  return OperandKeys(None if rounding is None else prng.fold_in(key, rounding),
+                     None if transform is None else prng.fold_in(key, transform))
 
 
 def role_keys(route: Route, key: jax.Array | None, roles: tuple[str, ...]) -> dict[str, OperandKeys]:
-  """`operand_keys(route.spec(role), key, role)` for each of `roles`, derived in one `fold_in_all`."""
+  """`operand_keys(route.spec(role), key, role)` for each of `roles`, derived in one vectorized `prng.fold_in`
+  (the same bits as one call per index: it is elementwise in its data)."""
   wanted = {r: _key_indices(route.spec(r), r) for r in roles}
   indices = sorted({i for pair in wanted.values() for i in pair if i is not None})
   if not indices:
     return {r: OperandKeys(None, None) for r in roles}
-  derived = fold_in_all(key, indices)
+  derived = prng.fold_in(key, jnp.asarray(indices, jnp.uint32))
   pick = lambda i: None if i is None else derived[indices.index(i)]
   return {r: OperandKeys(pick(rounding), pick(transform)) for r, (rounding, transform) in wanted.items()}
 

@@ -66,6 +66,18 @@ def uniforms(key, stream: int, counters: np.ndarray) -> np.ndarray:
   return (h >> np.uint32(8)).astype(F32) * F32(2.0**-24)
 
 
+def fold_in_words(key, data: int) -> np.ndarray:
+  """uint32 key data derived from `key` (typed) for one uint32 `data`: fp4jax's `prng.fold_in`, written from
+  its docstring's chain of murmur3 finalisers."""
+  words = np.asarray(jax.random.key_data(key)).astype(np.uint32).reshape(-1)
+  with np.errstate(over="ignore"):
+    h = _fmix(np.array([(data * 0x9E3779B9) & 0xFFFFFFFF], np.uint32) ^ words[0])
+    for w in words[1:]:
+      h = _fmix(h ^ w)
+    out = [_fmix(h ^ np.uint32((j + 1) * 0x632BE5AB & 0xFFFFFFFF))[0] for j in range(len(words))]
+  return np.array(out, np.uint32)
+
+
 def sign_bits(key, stream: int, n: int) -> np.ndarray:
   k0, k1 = seed(key, stream)
   with np.errstate(over="ignore"):

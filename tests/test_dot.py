@@ -16,6 +16,7 @@ from fp4jax import Impl
 from fp4jax import route as routes
 from fp4jax import dot as dot_lib
 from fp4jax.dot import fp4_dot, other_orientation
+from fp4jax.numerics import prng
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.reference import dequantize, quantize
 
@@ -32,9 +33,9 @@ def _fake_quant(v, spec, axis, key, role, gemm):
   if spec.fmt is None:
     return v
   if spec.transform is not None:
-    tkey = jax.random.fold_in(key, GEMM_INDEX[gemm]) if spec.transform.startswith("rht") else None
+    tkey = prng.fold_in(key, GEMM_INDEX[gemm]) if spec.transform.startswith("rht") else None
     v = hadamard(v, spec.transform, axis=axis, key=tkey)
-  rkey = jax.random.fold_in(key, ROLE_INDEX[role]) if spec.rounding != "rne" else None
+  rkey = prng.fold_in(key, ROLE_INDEX[role]) if spec.rounding != "rne" else None
   q = quantize(v, spec.fmt, axis=axis, rounding=spec.rounding, key=rkey, scale_rule=spec.scale_rule,
                tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
   return dequantize(q)

@@ -6,8 +6,14 @@ kernel (Mosaic GPU has no PRNG primitive), so fp4jax draws its bits from a state
 *original* (un-transposed) tensor computes the identical bits, whatever layout it writes.
 
 The hash is two rounds of the murmur3 32-bit finaliser keyed by the two seed words. It is not
-cryptographic; it is equidistributed enough for rounding (tests/test_prng.py checks the mean, variance and
-bit balance). Counters wrap at 2**32 elements.
+cryptographic; it is equidistributed enough for rounding (tests/numerics/test_prng.py checks the mean, variance
+and bit balance). Counters wrap at 2**32 elements.
+
+Keys per operand and per linear (`fold_in`) are derived with the same finaliser, not `jax.random.fold_in`:
+every quantized fp4_dot derives its operands' keys and every Llama block its linears' keys inside the
+compiled step, and threefry's ~330 XLA instructions per derivation were about a tenth of an FP4 train step's
+program (docs/BENCHMARKS.md), where the finaliser chain takes a few dozen. Its keys only ever seed this
+module's hash (`seed_words`), never `jax.random`'s samplers.
 """
 
 from __future__ import annotations
@@ -80,6 +86,21 @@ def hash_bits(k0, k1, counter):
   h = fmix32(c * _u32(_GOLDEN) ^ k0)
   h = fmix32(h ^ k1)
   return h
+
+
+def fold_in(key: jax.Array, data) -> jax.Array:
+  """Keys derived from one key for each of `data`'s uint32 values (any shape; the result has that shape, a
+  batch of keys): what `jax.random.fold_in` does, by the murmur3 finaliser (module docstring). A typed key
+  gives typed keys of its implementation, raw key data (uint32[n]) raw data [..., n]. Every word of a derived
+  key depends on every word of `key` and on the value, and distinct values give distinct keys."""
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  words = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+  h = fmix32(jnp.asarray(data, jnp.uint32) * _u32(_GOLDEN) ^ words[0])
+  for j in range(1, words.shape[-1]):  # absorb the rest of the key: h is a bijection of the value
+    h = fmix32(h ^ words[j])
+  out = [fmix32(h ^ _u32((j + 1) * 0x632BE5AB & 0xFFFFFFFF)) for j in range(words.shape[-1])]
+  derived = jnp.stack(out, axis=-1)
+  return jax.random.wrap_key_data(derived, impl=jax.random.key_impl(key)) if typed else derived
 
 
 def uniform_from_bits(bits):

@@ -71,3 +71,25 @@ def test_check_key_rejects_anything_but_one_key(key):
   """seed_words reads any array's first and last words: a batch of keys or an int would seed silently."""
   with pytest.raises(ValueError, match=r"quantize needs a key: one JAX PRNG key .*uint32\[2\].*dtype="):
     prng.check_key(key, "quantize")
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_fold_in_matches_numpy_and_keeps_the_key_kind(impl):
+  """prng.fold_in: a batch of keys of the input's implementation (typed) or raw words, each equal to the numpy
+  re-implementation, distinct per value, and changed by every word of the key."""
+  key = jax.random.key(11, impl=impl)
+  data = jnp.asarray([0, 1, 2, 7, 1 << 31, 0xFFFFFFFF], jnp.uint32)
+  derived = prng.fold_in(key, data)
+  assert derived.shape == data.shape and jax.random.key_impl(derived) == jax.random.key_impl(key)
+  words = np.asarray(jax.random.key_data(derived))
+  for d, w in zip(np.asarray(data), words):
+    np.testing.assert_array_equal(w, numpy_ref.fold_in_words(key, int(d)))
+  assert len({tuple(w) for w in words}) == len(data)
+  np.testing.assert_array_equal(prng.fold_in(jax.random.key_data(key), data), words)  # raw key data -> raw
+  np.testing.assert_array_equal(jax.random.key_data(prng.fold_in(key, 7)), words[3])  # one value -> one key
+  raw = np.asarray(jax.random.key_data(key))
+  for i in range(raw.size):  # every word of the key reaches every word of every derived key
+    changed = raw.copy()
+    changed[i] ^= 1
+    other = np.asarray(prng.fold_in(jnp.asarray(changed), data))
+    assert (other != words).all(), i

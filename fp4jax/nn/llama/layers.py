@@ -2,7 +2,8 @@
 
 Every dense layer is an `FP4Linear` whose route comes from `RouteRules.resolve(path)` at construction,
 `path` being its dotted module path in the model (see fp4jax/nn/rules.py). Random keys: each linear gets
-`jax.random.fold_in(key, index)` with the fixed per-linear index documented in `linear_index`; linears run as
+`prng.fold_in(key, index)` (fp4jax's cheap `jax.random.fold_in`) with the fixed per-linear index documented in
+`linear_index`; linears run as
 one product (`LlamaConfig.fuse_linears`: q, k, v and gate, up) draw the first one's key.
 
 Shapes: B batch, T sequence, D model dim, H query heads, K kv heads, Dh head dim, F ffn dim.
@@ -19,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from fp4jax import route as route_lib
 from fp4jax.impl import Impl
 from fp4jax.nn import linear
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
+from fp4jax.numerics import prng
 from fp4jax.platform import compiles_for_gpu
 
 ATTN_LINEARS = ("q", "k", "v", "o")
@@ -50,11 +51,11 @@ def _block_linear_index(layer: int | jax.Array, group: str, name: str) -> int | 
 
 
 def _fold(key: jax.Array | None, layer: int | jax.Array, group: str) -> dict[str, jax.Array | None]:
-  """Each linear of `group`'s key, fold_in(key, its index), derived in one `route.fold_in_all`."""
+  """Each linear of `group`'s key, fold_in(key, its index), derived in one vectorized `prng.fold_in`."""
   names = ATTN_LINEARS if group == "attn" else MLP_LINEARS
   if key is None:
     return dict.fromkeys(names)
-  keys = route_lib.fold_in_all(key, jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32)
+  keys = prng.fold_in(key, jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32)
                                                for n in names]))
   return {n: keys[i] for i, n in enumerate(names)}
 

@@ -37,6 +37,7 @@ from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
 from fp4jax.nn.rules import RouteRules
+from fp4jax.numerics import prng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +69,8 @@ class Llama(nnx.Module):
   """Decoder-only Llama with FP4 dense layers routed per module path by `rules`; one of the user's rules
   (`RouteRules.rules`, not the recipe's fallback) that decides no linear is a ValueError (`RouteRules.unused`).
 
-  Random keys: pass one key per step; block l's linears get fold_in(key, 7l + j) (see
-  `layers.linear_index`), the lm_head fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
+  Random keys: pass one key per step; block l's linears get prng.fold_in(key, 7l + j) (see
+  `layers.linear_index`), the lm_head prng.fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
   `lax.scan` under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs, not depth;
@@ -128,7 +129,7 @@ class Llama(nnx.Module):
       logits = dot.fp4_dot(x, table.T, route="bf16", out_dtype=jnp.float32)  # [B, T, V]
     else:
       head_index = LINEARS_PER_BLOCK * self.config.n_layers
-      head_key = None if key is None else jax.random.fold_in(key, head_index)
+      head_key = None if key is None else prng.fold_in(key, head_index)
       logits = self.lm_head(x, key=head_key)  # [B, T, V]
     return logits.astype(jnp.float32)
 
