@@ -99,6 +99,9 @@ def fold_in(key: jax.Array, data) -> jax.Array:
   key depends on every word of `key` and on the value, and distinct values give distinct keys."""
   typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
   words = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+  if words.ndim != 1:  # a batch of keys would silently derive from its first key's words
+    raise ValueError(f"prng.fold_in takes one key (jax.vmap over a batch of keys), got key data of shape "
+                     f"{words.shape}")
   h = fmix32(jnp.asarray(data, jnp.uint32) * _u32(_GOLDEN) ^ words[0])
   for j in range(1, words.shape[-1]):  # absorb the rest of the key: h is a bijection of the value
     h = fmix32(h ^ words[j])

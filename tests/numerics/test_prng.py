@@ -93,3 +93,12 @@ def test_fold_in_matches_numpy_and_keeps_the_key_kind(impl):
     changed[i] ^= 1
     other = np.asarray(prng.fold_in(jnp.asarray(changed), data))
     assert (other != words).all(), i
+
+
+def test_fold_in_rejects_a_batch_of_keys_and_vmaps_over_one():
+  keys = jax.random.split(KEY, 3)
+  with pytest.raises(ValueError, match="one key"):
+    prng.fold_in(keys, 1)
+  batched = jax.vmap(lambda k: prng.fold_in(k, 1))(keys)
+  for i in range(3):
+    np.testing.assert_array_equal(jax.random.key_data(batched[i]), jax.random.key_data(prng.fold_in(keys[i], 1)))

@@ -56,7 +56,7 @@ def _fold(key: jax.Array | None, layer: int | jax.Array, group: str) -> dict[str
   if key is None:
     return dict.fromkeys(names)
   keys = prng.fold_in(key, jnp.stack([jnp.asarray(_block_linear_index(layer, group, n), jnp.uint32)
-                                               for n in names]))
+                                      for n in names]))
   return {n: keys[i] for i, n in enumerate(names)}
 
 
