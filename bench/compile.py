@@ -4,6 +4,7 @@
   python -m bench compile --step 30m [--tokens 8x512] [--scan [auto]] [--unfused-linears] [--h200] [--routes ...]
                                                                    a whole train step
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
+  python -m bench compile --step 30m --repeat 5 ...        each first call in 5 fresh processes: medians
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
@@ -29,6 +30,12 @@ A rough one: XLA compiles each launch configuration, not each IR, on parallel th
 of a kernel can take several times the proxy's (docs/BENCHMARKS.md, H200 session of 2026-12-03, 06:55); on a
 GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, PTX->CUBIN).
 
+`--repeat N` (with `--step`) measures each route's first call N times, each in a fresh process (what a
+training run pays when it starts), the routes interleaved round by round so that drift of the host spreads
+over all of them, and ends with each route's median and range and the medians' ratios to bf16's: on the
+H200's host one program's first call varied up to 2x between runs (docs/BENCHMARKS.md, "H200 session of
+2026-12-03, 15:20"), so one run does not decide a ratio. `--out FILE` writes the rows as JSON.
+
 Compiles are cold (the persistent cache is off) unless `--warm`. Each step row ends with its first call (trace +
 lower + compile: what a training run waits for before its first step), and with bf16 among the routes a last line
 gives each route's first call against bf16's: with `--scan auto`, as training runs them by default (a quantized
@@ -42,8 +49,12 @@ import collections
 import contextlib
 import glob
 import importlib.util
+import json
 import os
 import re
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import NamedTuple
@@ -72,6 +83,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
   parser.add_argument("--passes", type=args_lib.int_at_least(0), default=0, metavar="N",
                       help="print the N XLA compile events (passes, backend) that took longest")
+  parser.add_argument("--repeat", type=args_lib.int_at_least(1), default=1, metavar="N",
+                      help="--step: each route's first call N times, each in a fresh process, routes interleaved; "
+                           "prints the median and range")
+  parser.add_argument("--out", help="write the rows as JSON here")
   parser.add_argument("--triton", action="store_true",
                       help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "
                            "package and print the seconds (a proxy for that share of XLA's compile)")
@@ -232,8 +247,64 @@ def _line(name: str, p: dict) -> str:
   return "\n".join(lines)
 
 
+_ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo")
+
+
+def _row(name: str, route: str, phases: dict) -> dict:
+  """The JSON row (`--out`) of one measured first call."""
+  return {"name": name, "route": route, **{k: phases[k] for k in _ROW_KEYS}}
+
+
+def _write(path: str | None, rows: list[dict]) -> None:
+  if path:
+    with open(path, "w") as f:
+      json.dump({"info": dot.device_info(), "rows": rows}, f, indent=1)
+
+
+def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
+  """The command measuring one route's first call of `args.step` in a fresh process (`--repeat`)."""
+  batch, seq = args.tokens
+  scan = [] if not args.scan else ["--scan"] if args.scan is True else ["--scan", args.scan]
+  return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off", "compile",
+          "--step", args.step, "--tokens", f"{batch}x{seq}", *scan,
+          *(["--unfused-linears"] if args.unfused_linears else []), *(["--warm"] if args.warm else []),
+          "--routes", route, "--out", out]
+
+
+def _repeat(args: argparse.Namespace) -> None:
+  """`--repeat`: args.repeat rounds of one fresh process per route; a line per measurement, then the summary."""
+  rows, seconds = [], collections.defaultdict(list)
+  with tempfile.TemporaryDirectory() as tmp:
+    for i in range(args.repeat):
+      for route in args.routes:
+        out = os.path.join(tmp, f"{i}-{route}.json")
+        done = subprocess.run(_child_argv(args, route, out), capture_output=True, text=True)
+        if done.returncode:
+          last = ([l for l in (done.stderr or done.stdout).splitlines() if l.strip()] or ["no output"])[-1]
+          raise UserError(f"bench compile --repeat: the run of {route} exited with {done.returncode}: {last} "
+                          f"(command: {' '.join(_child_argv(args, route, out))})")
+        with open(out) as f:
+          (row,) = json.load(f)["rows"]
+        rows.append({**row, "round": i + 1})
+        seconds[route].append(row["first_call"])
+        print(f"  round {i + 1}/{args.repeat}  {route:12s} first call {row['first_call']:6.1f} s  (trace "
+              f"{row['trace']:.1f}, lower {row['lower']:.1f}, compile {row['compile']:.1f} s; hlo "
+              f"{row['hlo'] / 1e3:.1f}k)", flush=True)
+  medians = {route: statistics.median(s) for route, s in seconds.items()}
+  for route, s in seconds.items():
+    print(f"  {route:12s} first call median {medians[route]:6.1f} s  (range {min(s):.1f}-{max(s):.1f} s over "
+          f"{len(s)} processes)", flush=True)
+  if "bf16" in medians and len(medians) > 1:
+    print("  median first call x bf16's: " + ", ".join(f"{route} {m / medians['bf16']:.2f}"
+                                                     for route, m in medians.items() if route != "bf16"), flush=True)
+  _write(args.out, rows)
+
+
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
+  if args.repeat > 1 and (not args.step or args.h200 or args.passes or args.triton):
+    raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200, --passes "
+                    "or --triton")
   if args.triton and not args.h200:
     raise UserError("bench compile: --triton compiles the kernels of an --h200 lowering; add --h200")
   if args.passes and args.h200:
@@ -246,6 +317,10 @@ def run(args: argparse.Namespace) -> None:
   where = "abstract H200 (lowering only)" if args.h200 else dot.device_info()
   print(f"bench compile: {where} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
+  if args.repeat > 1:
+    _repeat(args)
+    return
+  rows = []
   if args.step:
     batch, seq = args.tokens
     first_calls = {}
@@ -258,11 +333,13 @@ def run(args: argparse.Namespace) -> None:
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
                        passes=args.passes, triton_compile=args.triton)
       print(_line(name, phases), flush=True)
+      rows.append(_row(name, route, phases))
       if phases["first_call"] is not None:
         first_calls[route] = phases["first_call"]
     if "bf16" in first_calls and len(first_calls) > 1:
       print("  first call x bf16's: " + ", ".join(f"{route} {s / first_calls['bf16']:.2f}"
                                                 for route, s in first_calls.items() if route != "bf16"), flush=True)
+    _write(args.out, rows)
     return
   shapes, m = dot.selected_shapes(args)
   for sname, k, n in shapes:
@@ -270,5 +347,7 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
-        print(_line(f"{sname} {route} {name}", _phases(fn, fargs, h200=args.h200, passes=args.passes,
-                                                        triton_compile=args.triton)), flush=True)
+        phases = _phases(fn, fargs, h200=args.h200, passes=args.passes, triton_compile=args.triton)
+        print(_line(f"{sname} {route} {name}", phases), flush=True)
+        rows.append(_row(f"{sname} {route} {name}", route, phases))
+  _write(args.out, rows)

@@ -104,6 +104,8 @@ def test_cli_errors():
     (["triton", "--shape", "40x128", "mx rne"], "kernel 'mx rne' does not take --shape 40x128"),
     (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "add --h200"),
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
+    (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
+    (["compile", "--step", "tiny", "--h200", "--repeat", "2", "--routes", "bf16"], "without --h200"),
     (["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"],
      r"--shapes 3 is no shape; the --small shapes are 0: up"),
     (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
@@ -191,6 +193,26 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
         "--routes", "mxfp4"])
   unfused = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled unfused 2x32")]
   assert len(unfused) == 1 and hlo(unfused[0]) > hlo(lines[1]), (unfused, lines)
+
+
+def test_bench_compile_repeat_runs_fresh_processes_and_reports_medians(tmp_path, capsys):
+  """`bench compile --step --repeat N`: N rounds of one fresh process per route, a line per measurement, each
+  route's median and range, the medians' ratio to bf16's, and every measurement in --out."""
+  out = tmp_path / "repeat.json"
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--scan", "auto", "--repeat", "2",
+        "--routes", "bf16", "mxfp4", "--out", str(out)])
+  printed = capsys.readouterr().out
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["round"], r["route"]) for r in rows] == [(1, "bf16"), (1, "mxfp4"), (2, "bf16"), (2, "mxfp4")]
+  assert [r["name"] for r in rows[:2]] == ["tiny unrolled 2x32 bf16", "tiny scanned 2x32 mxfp4"]  # --scan auto
+  medians = {}
+  for route in ("bf16", "mxfp4"):
+    seconds = [r["first_call"] for r in rows if r["route"] == route]
+    assert all(s > 0 for s in seconds)
+    medians[route] = (seconds[0] + seconds[1]) / 2
+    assert re.search(rf"{route} +first call median +{medians[route]:.1f} s +\(range {min(seconds):.1f}-"
+                     rf"{max(seconds):.1f} s over 2 processes\)", printed), printed
+  assert f"median first call x bf16's: mxfp4 {medians['mxfp4'] / medians['bf16']:.2f}" in printed, printed
 
 
 def test_bench_compile_triton_compiles_each_distinct_kernel(capsys):
