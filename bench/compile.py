@@ -255,10 +255,18 @@ def _row(name: str, route: str, phases: dict) -> dict:
   return {"name": name, "route": route, **{k: phases[k] for k in _ROW_KEYS}}
 
 
-def _write(path: str | None, rows: list[dict]) -> None:
+def _write(path: str | None, rows: list[dict], info: dict | None = None) -> None:
+  """`--out`: the rows and `info` (default: this process's device, JAX version and date) as JSON."""
   if path:
     with open(path, "w") as f:
-      json.dump({"info": dot.device_info(), "rows": rows}, f, indent=1)
+      json.dump({"info": info or dot.device_info(), "rows": rows}, f, indent=1)
+
+
+def _x_bf16(first_calls: dict[str, float]) -> str | None:
+  """"route ratio, ..." of each route's first call against bf16's, or None without bf16 and another route."""
+  if "bf16" not in first_calls or len(first_calls) < 2:
+    return None
+  return ", ".join(f"{route} {s / first_calls['bf16']:.2f}" for route, s in first_calls.items() if route != "bf16")
 
 
 def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
@@ -272,19 +280,29 @@ def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
 
 
 def _repeat(args: argparse.Namespace) -> None:
-  """`--repeat`: args.repeat rounds of one fresh process per route; a line per measurement, then the summary."""
-  rows, seconds = [], collections.defaultdict(list)
+  """`--repeat`: args.repeat rounds of one fresh process per route; a line per measurement, then the summary.
+
+  This process never starts a JAX backend (the device in the header and in --out is the children's): on a GPU
+  it would hold most of the device's memory (JAX preallocates) while the children compile and autotune."""
+  print(f"bench compile --repeat {args.repeat}: each first call in a fresh process, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+  rows, seconds, info = [], collections.defaultdict(list), None
   with tempfile.TemporaryDirectory() as tmp:
     for i in range(args.repeat):
       for route in args.routes:
         out = os.path.join(tmp, f"{i}-{route}.json")
-        done = subprocess.run(_child_argv(args, route, out), capture_output=True, text=True)
+        argv = _child_argv(args, route, out)
+        done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode:
           last = ([l for l in (done.stderr or done.stdout).splitlines() if l.strip()] or ["no output"])[-1]
           raise UserError(f"bench compile --repeat: the run of {route} exited with {done.returncode}: {last} "
-                          f"(command: {' '.join(_child_argv(args, route, out))})")
+                          f"(command: {' '.join(argv)})")
         with open(out) as f:
-          (row,) = json.load(f)["rows"]
+          child = json.load(f)
+        if info is None:
+          info = child["info"]
+          print(f"  device: {info}", flush=True)
+        (row,) = child["rows"]
         rows.append({**row, "round": i + 1})
         seconds[route].append(row["first_call"])
         print(f"  round {i + 1}/{args.repeat}  {route:12s} first call {row['first_call']:6.1f} s  (trace "
@@ -294,10 +312,9 @@ def _repeat(args: argparse.Namespace) -> None:
   for route, s in seconds.items():
     print(f"  {route:12s} first call median {medians[route]:6.1f} s  (range {min(s):.1f}-{max(s):.1f} s over "
           f"{len(s)} processes)", flush=True)
-  if "bf16" in medians and len(medians) > 1:
-    print("  median first call x bf16's: " + ", ".join(f"{route} {m / medians['bf16']:.2f}"
-                                                     for route, m in medians.items() if route != "bf16"), flush=True)
-  _write(args.out, rows)
+  if ratios := _x_bf16(medians):
+    print(f"  median first call x bf16's: {ratios}", flush=True)
+  _write(args.out, rows, info)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -312,14 +329,14 @@ def run(args: argparse.Namespace) -> None:
                     "drop one")
   if args.triton and importlib.util.find_spec("triton") is None:
     raise UserError("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
+  if args.repeat > 1:
+    _repeat(args)
+    return
   if not args.warm:
     platform.enable_compilation_cache(None)
   where = "abstract H200 (lowering only)" if args.h200 else dot.device_info()
   print(f"bench compile: {where} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
-  if args.repeat > 1:
-    _repeat(args)
-    return
   rows = []
   if args.step:
     batch, seq = args.tokens
@@ -336,9 +353,8 @@ def run(args: argparse.Namespace) -> None:
       rows.append(_row(name, route, phases))
       if phases["first_call"] is not None:
         first_calls[route] = phases["first_call"]
-    if "bf16" in first_calls and len(first_calls) > 1:
-      print("  first call x bf16's: " + ", ".join(f"{route} {s / first_calls['bf16']:.2f}"
-                                                for route, s in first_calls.items() if route != "bf16"), flush=True)
+    if ratios := _x_bf16(first_calls):
+      print(f"  first call x bf16's: {ratios}", flush=True)
     _write(args.out, rows)
     return
   shapes, m = dot.selected_shapes(args)

@@ -4,7 +4,10 @@ import collections
 import dataclasses
 import json
 import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +216,19 @@ def test_bench_compile_repeat_runs_fresh_processes_and_reports_medians(tmp_path,
     assert re.search(rf"{route} +first call median +{medians[route]:.1f} s +\(range {min(seconds):.1f}-"
                      rf"{max(seconds):.1f} s over 2 processes\)", printed), printed
   assert f"median first call x bf16's: mxfp4 {medians['mxfp4'] / medians['bf16']:.2f}" in printed, printed
+
+
+def test_bench_compile_repeat_starts_no_backend_in_the_parent():
+  """`--repeat` leaves JAX's backends to its children: on a GPU the parent's client would preallocate most of the
+  device's memory while they compile."""
+  code = ("from bench.__main__ import main; from jax._src import xla_bridge; "
+          "main(['--compile-cache', 'off', 'compile', '--step', 'tiny', '--tokens', '2x32', '--repeat', '2', "
+          "'--routes', 'bf16']); print('backends', sorted(xla_bridge._backends))")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).resolve().parents[2])
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.splitlines()[-1] == "backends []", done.stdout
+  assert "device: {'device': 'cpu:cpu'" in done.stdout, done.stdout  # the children's device, in the header
 
 
 def test_bench_compile_triton_compiles_each_distinct_kernel(capsys):
