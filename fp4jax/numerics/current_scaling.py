@@ -36,6 +36,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.numerics import ieee
 from fp4jax.numerics.formats import FormatSpec
@@ -45,7 +46,7 @@ from fp4jax.numerics.qtensor import QTensor
 def encode_factor(amax: jax.Array, fp8_max: float) -> jax.Array:
   """S = fp32(fp8_max / amax), correctly rounded; 1 where amax = 0, at most float32 max; NaN stays NaN
   (`ieee.amax_factor`)."""
-  return ieee.amax_factor(jnp.float32(fp8_max), amax)
+  return ieee.amax_factor(np.float32(fp8_max), amax)
 
 
 def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne", tile_2d: bool = False,
@@ -67,7 +68,7 @@ def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne"
     amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
   s = encode_factor(jnp.where(jnp.isfinite(amax), amax, jnp.nan), element.max)  # NaN for a non-finite amax
   values = jnp.clip(xk * s, -element.max, element.max).astype(element.dtype)
-  outer = ieee.div(jnp.float32(1.0), s)  # NaN where s is
+  outer = ieee.div(np.float32(1.0), s, b_normal=True)  # NaN where s is; s >= fp8_max / float32 max: normal
   return QTensor(values, None, outer, fmt=spec.name, axis=axis, shape=tuple(x.shape))
 
 

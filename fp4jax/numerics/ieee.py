@@ -22,7 +22,7 @@ _TINY = 2.0**-126  # the smallest normal float32
 _SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-149
 
 
-def div(a: jax.Array, b: jax.Array) -> jax.Array:
+def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False) -> jax.Array:
   """a / b in float32, rounded to nearest even as IEEE 754 specifies (subnormal results included). Broadcasts
   like `/`; NaN, infinities and zeros follow IEEE 754.
 
@@ -34,17 +34,28 @@ def div(a: jax.Array, b: jax.Array) -> jax.Array:
   is assembled from its integer count of 2^-149 (the cast would flush it to zero). A few dozen operations
   where an integer long division took about a hundred: the NVFP4 set-up divides a few times per operand, and
   the change cut a scanned NVFP4 train step's program by over a third (docs/BENCHMARKS.md).
+
+  Lifting is most of those operations, so it is skipped where it cannot matter: a NumPy or Python operand (a
+  constant numerator) is lifted while tracing, and `b_normal=True` is the caller's promise that b is never
+  subnormal (normal, zero, infinite or NaN), so b enters as it is.
   """
-  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-  (la, sa), (lb, sb) = lift(a), lift(b)  # a = la * 2^-sa, b = lb * 2^-sb
+  la, sa = lift(a)
+  lb, sb = (jnp.asarray(b, jnp.float32), 0) if b_normal else lift(b)  # a = la * 2^-sa, b = lb * 2^-sb
+  la, lb = jnp.broadcast_arrays(la, lb)
   with jax.enable_x64(True):
     q = la.astype(jnp.float64) / lb.astype(jnp.float64)
-    q = q * _pow2_f64(sb - sa)  # exact: a power of two within float64's normal range
+    if not (_is_zero(sa) and _is_zero(sb)):
+      q = q * _pow2_f64(jnp.broadcast_to(jnp.asarray(sb) - jnp.asarray(sa), q.shape))  # exact: normal range
     mag = jnp.abs(q)
     units = jnp.rint(mag * _SUBNORMAL_UNITS)  # subnormal results: RNE to a multiple of 2^-149 (<= 2^23)
     sign = jnp.where(jnp.signbit(q), _SIGN, np.uint32(0))
     subnormal = jax.lax.bitcast_convert_type(sign | units.astype(jnp.uint32), jnp.float32)
     return jnp.where(mag < _TINY, subnormal, q.astype(jnp.float32))
+
+
+def _is_zero(shift) -> bool:
+  """Whether a `lift` shift is known while tracing to be 0 everywhere (a constant operand, or b_normal)."""
+  return isinstance(shift, (int, np.integer, np.ndarray)) and not np.any(shift)
 
 
 def _pow2_f64(e: jax.Array) -> jax.Array:
@@ -107,7 +118,12 @@ LIFT = 64  # a subnormal float32 times 2^64 is normal (>= 2^-85)
 
 def lift(f: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(f * 2^shift exactly, shift) for float32 f: shift = `LIFT` where f is subnormal (the result then normal,
-  built from f's bits, so no flush-to-zero can touch it), else 0 and f itself."""
+  built from f's bits, so no flush-to-zero can touch it), else 0 and f itself. A NumPy or Python `f` (a
+  constant) is lifted by NumPy while tracing: no operations are staged, and the results are NumPy arrays."""
+  if isinstance(f, (np.ndarray, np.generic, float, int)):
+    f = np.asarray(f, np.float32)
+    subnormal = (f != 0) & (np.abs(f) < np.float32(_TINY))
+    return np.where(subnormal, f * np.float32(2.0**LIFT), f), np.where(subnormal, LIFT, 0).astype(np.int32)
   f = jnp.asarray(f, jnp.float32)
   bits = jax.lax.bitcast_convert_type(f, jnp.uint32)
   mant = bits & np.uint32(0x7FFFFF)

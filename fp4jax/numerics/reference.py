@@ -194,12 +194,13 @@ _OUTER_AMAX: dict[str, Callable] = {"tensor": _tensor_amax, "row_tile": _row_til
 
 def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
   """S_enc = scale_max * 6 / amax (1 when amax = 0, at most float32 max; NaN stays NaN: `ieee.amax_factor`)."""
-  return ieee.amax_factor(jnp.float32(scale_max * E2M1_MAX), amax)
+  return ieee.amax_factor(np.float32(scale_max * E2M1_MAX), amax)
 
 
 def nvfp4_outer(s_enc: jax.Array) -> jax.Array:
-  """The FP32 outer (decode) factor 1 / S_enc, NaN where S_enc is not finite."""
-  return jnp.where(jnp.isfinite(s_enc), ieee.div(jnp.float32(1.0), s_enc), jnp.nan)
+  """The FP32 outer (decode) factor 1 / S_enc, NaN where S_enc is not finite. s_enc: `nvfp4_encode_scale`'s,
+  never subnormal (at least 6 * scale_max / headroom over float32 max, or 1), so it is not lifted."""
+  return jnp.where(jnp.isfinite(s_enc), ieee.div(np.float32(1.0), s_enc, b_normal=True), jnp.nan)
 
 
 @functools.cache
@@ -232,7 +233,7 @@ def nv_block_encode(sf: jax.Array, outer: jax.Array) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(jnp.where(sf == 0, 1.0, sf), jnp.int32)  # E4M3 values: normal float32
   m = jax.lax.bitcast_convert_type((bits & 0x7FFFFF) | (127 << 23), jnp.float32)  # significand in [1, 2)
   e = (bits >> 23) - 127
-  enc = ieee.div(jnp.float32(1.0), m * o) * ieee.pow2(shift - e)  # 2^(L - e) in [2^-8, 2^73]
+  enc = ieee.div(np.float32(1.0), m * o, b_normal=True) * ieee.pow2(shift - e)  # 2^(L - e) in [2^-8, 2^73]
   return jnp.where(sf == 0, 0.0, jnp.minimum(enc, _F32_MAX))
 
 

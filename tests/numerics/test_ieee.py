@@ -55,6 +55,31 @@ def test_div_broadcasts():
   _assert_bits_equal(ieee.div(a, b), _numpy_div(a, b))
 
 
+def test_div_by_constants_and_normal_divisors():
+  """A NumPy numerator (lifted while tracing, subnormal ones included) and `b_normal=True` (b not lifted) give
+  the same correctly rounded quotients as the general path; neither stages the lifting."""
+  a, b = _cases(7)
+  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]  # normal, zero, inf, NaN
+  for const in (np.float32(1.0), np.float32(2688.0), np.float32(1e-40), np.float32(-3e-39), np.float32(0.0)):
+    _assert_bits_equal(jax.jit(lambda b, c=const: ieee.div(c, b))(b), _numpy_div(const, b))
+    _assert_bits_equal(jax.jit(lambda b, c=const: ieee.div(c, b, b_normal=True))(normal_b),
+                       _numpy_div(const, normal_b))
+  _assert_bits_equal(jax.jit(lambda a, b: ieee.div(a, b, b_normal=True))(a[:normal_b.size], normal_b),
+                     _numpy_div(a[:normal_b.size], normal_b))
+  eqns = lambda f, *args: len(jax.make_jaxpr(f)(*args).jaxpr.eqns)
+  general = eqns(ieee.div, a[:4], b[:4])
+  assert eqns(lambda b: ieee.div(np.float32(1.0), b), b[:4]) < general
+  assert eqns(lambda b: ieee.div(np.float32(1.0), b, b_normal=True), b[:4]) < eqns(
+      lambda b: ieee.div(np.float32(1.0), b), b[:4])
+
+
+def test_lift_of_a_constant_matches_the_traced_lift():
+  values = np.concatenate([_SPECIALS, _cases(8, 256)[0]])
+  for got, want in zip(ieee.lift(values), jax.jit(ieee.lift)(values)):
+    assert isinstance(got, np.ndarray)
+    _assert_bits_equal(got.astype(np.float32), np.asarray(want).astype(np.float32))
+
+
 def test_div_pow2():
   """Exact wherever a and the quotient are not subnormal (a product: XLA:CPU treats subnormals as zero)."""
   a = _cases(4)[0]

@@ -147,7 +147,7 @@ def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str]
   per_program = [a.reshape(-1)[::step] if a.ndim else a.reshape(1) for a, step in zip(amaxes, steps)]  # [P]
   counts = [int(a.shape[0]) for a in per_program]
   heads = [reference.NV_HEADROOM[r] for r in roundings]
-  column = lambda values: jnp.concatenate([jnp.full((n,), v, jnp.float32) for n, v in zip(counts, values)])
+  column = lambda values: np.concatenate([np.full((n,), v, np.float32) for n, v in zip(counts, values)])
   amax = jnp.concatenate(per_program)  # [P_r + P_c]
   scale_max = get_format(fmt).scale_max
   # reference.nvfp4_encode_scale with each view's headroom: the numerator fp32(scale_max / H * 6) per program
@@ -155,9 +155,9 @@ def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str]
   outer = reference.nvfp4_outer(s)
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
   o, shift = ieee.lift(outer)  # outer * 2^L, normal
-  q = ieee.div(jnp.float32(1.0), o[:, None] * jnp.asarray(_MANTISSAS)[None, :])  # [P, 8]
+  q = ieee.div(np.float32(1.0), o[:, None] * _MANTISSAS[None, :], b_normal=True)  # [P, 8]; o is normal
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
-  pad = jnp.zeros((s.shape[0], _N_PARAMS - 12), jnp.float32)
+  pad = np.zeros((s.shape[0], _N_PARAMS - 12), np.float32)
   params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
   split = lambda v: (v[:counts[0]], v[counts[0]:])
   outers = tuple(o.reshape(()) if a.ndim == 0 else jnp.repeat(o, step)  # per program -> per K-major row
