@@ -194,7 +194,17 @@ def span_ok(q: QTensor) -> jax.Array:
 
 def tensor_exponent(scales: jax.Array) -> jax.Array:
   """e_T: int32 scalar, the largest finite block exponent of the whole tensor (floored like `row_exponent`)."""
-  return jnp.max(row_exponent(scales.reshape(1, -1)))
+  return jnp.max(row_exponent(scales))
+
+
+def exponents(scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(e_row [R], e_T, tensor span ok) of uint8 E8M0 `scales` [R, K/32]: `row_exponent`, `tensor_exponent` and
+  `tensor_span_ok` in one set of reductions, for a GEMM that picks per-row or per-tensor factors at run time."""
+  e_row = row_exponent(scales)
+  e_t = jnp.max(e_row)  # the floor commutes with the max: tensor_exponent
+  s = scales.astype(jnp.int32)
+  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s)) - E8M0_BIAS
+  return e_row, e_t, e_t - lo <= MAX_EXACT_SPAN
 
 
 def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:
@@ -219,6 +229,4 @@ def fp8_values(q: QTensor, e_ref: jax.Array) -> jax.Array:
 
 def tensor_span_ok(q: QTensor) -> jax.Array:
   """bool scalar: the whole tensor encodes exactly with one factor (e_T - e_b <= 14 for every finite block)."""
-  s = q.scales.astype(jnp.int32)
-  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s)) - E8M0_BIAS
-  return tensor_exponent(q.scales) - lo <= MAX_EXACT_SPAN
+  return exponents(q.scales)[2]
