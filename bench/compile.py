@@ -64,7 +64,7 @@ import jax.numpy as jnp
 
 from bench import args as args_lib
 from bench import dot, triton
-from bench.step import llama_step, scanned
+from bench.step import llama_step
 from fp4jax import platform
 from train.errors import UserError
 
@@ -342,9 +342,8 @@ def run(args: argparse.Namespace) -> None:
     batch, seq = args.tokens
     first_calls = {}
     for route in args.routes:
-      scan = scanned(args.scan, route)
-      step, _, state, tokens, _ = llama_step(args.step, route, batch=batch, seq=seq, scan=scan,
-                                             fuse_linears=not args.unfused_linears)
+      step, _, state, tokens, _, scan = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan,
+                                                   fuse_linears=not args.unfused_linears)
       name = (f"{args.step} {'scanned' if scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
               f"{batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,

@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,6 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, platform
-from fp4jax import route as route_lib
 from train import train as train_lib
 from train.errors import UserError
 
@@ -87,22 +87,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")
 
 
-def scanned(scan: bool | str, route: str) -> bool:
-  """Whether `route`'s blocks run as a scanned body under `--scan`'s value (`args.add_scan`): True or False as
-  given; for "auto" as `Llama(scan_layers="auto")` decides, scanned where the blocks' linears quantize (not for
-  bf16, nor for flax_fp8, whose linears are bf16 ones converted to Flax's FP8 op)."""
-  if scan != "auto":
-    return bool(scan)
-  return route != flax_fp8.NAME and not route_lib.get(route).high_precision
+class LlamaStep(NamedTuple):
+  """What `llama_step` builds. `step(state, tokens, i) -> (state, loss)`; `create()` returns freshly initialized
+  state; `state` and `tokens` are their abstract values; `scanned`: whether the blocks run as a scanned body
+  (the model's own decision for `scan="auto"`)."""
+
+  step: Callable
+  create: Callable
+  state: Any
+  tokens: jax.ShapeDtypeStruct
+  config: Any
+  scanned: bool
 
 
-def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = False, impl: Impl = Impl(),
+def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | str = False, impl: Impl = Impl(),
                layers: int | None = None, attention: str = "auto", scan_saves: str = "outputs",
-               fuse_linears: bool = True, microbatches: int = 1):
-  """(train_step, create_state, abstract state, abstract tokens, LlamaConfig) for a Llama preset with `route`
-  on its blocks' linears. `train_step(state, tokens, step) -> (state, loss)` runs cross-entropy, backward (in
-  `microbatches` sequential passes) and AdamW as `python -m train` does; `create_state()` returns freshly
-  initialized state."""
+               fuse_linears: bool = True, microbatches: int = 1) -> LlamaStep:
+  """The train step of a Llama preset with `route` on its blocks' linears: cross-entropy, backward (in
+  `microbatches` sequential passes) and AdamW as `python -m train` does. `scan`: `Llama`'s `scan_layers` (True,
+  False, or "auto": scanned where the blocks' linears quantize; not for flax_fp8, whose linears are bf16 ones
+  converted to Flax's FP8 op)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
@@ -130,7 +134,8 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
       flax_fp8.convert(model)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  abstract_model, abstract_optimizer = nnx.eval_shape(create)
+  graphdef, abstract = nnx.split((abstract_model, abstract_optimizer))
   base_key = jax.random.key(0)
 
   def train_step(state, tokens, i):
@@ -148,7 +153,7 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool = Fa
 
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
   tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
-  return train_step, lambda: nnx.split(create())[1], state, tokens, cfg
+  return LlamaStep(train_step, lambda: nnx.split(create())[1], state, tokens, cfg, abstract_model.scan_layers)
 
 
 def flops_per_token(cfg, seq: int) -> float:
@@ -174,9 +179,8 @@ def _is_oom(err: Exception) -> bool:
 
 def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
-  scan = scanned(args.scan, route)
-  step_fn, create, abstract, tokens_spec, cfg = llama_step(
-      args.preset, route, batch=batch, seq=seq, scan=scan, layers=args.layers, attention=args.attention,
+  step_fn, create, abstract, tokens_spec, cfg, scan = llama_step(
+      args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
       scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches)
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
          "scan": scan, "scan_saves": args.scan_saves if scan else None, "attention": args.attention,

@@ -329,8 +329,9 @@ def test_scan_auto_runs_each_route_as_training_does(tmp_path, capsys):
   firsts = {r["route"]: r["first_call"] for r in json.loads(out.read_text())["rows"]}
   ratio = re.search(r"first call x bf16's: mxfp4 ([\d.]+)$", lines[-1]).group(1)
   assert ratio == f"{firsts['mxfp4'] / firsts['bf16']:.2f}", (lines[-1], firsts)
-  assert step.scanned(True, "bf16") and not step.scanned(False, "mxfp4")
-  assert step.scanned("auto", "fp8") and not step.scanned("auto", "flax_fp8")
+  decided = lambda scan, route: step.llama_step("tiny", route, batch=2, seq=32, scan=scan).scanned
+  assert decided(True, "bf16") and not decided(False, "mxfp4")
+  assert decided("auto", "fp8") and not decided("auto", "flax_fp8")
 
 
 def test_bench_step_microbatches(tmp_path):
@@ -344,7 +345,7 @@ def test_bench_step_microbatches(tmp_path):
   assert row["microbatches"] == 2 and row["tokens_per_s"] > 0
   params = []
   for microbatches in (1, 2):
-    step_fn, create, _, _, cfg = step.llama_step("tiny", "bf16", batch=4, seq=32, microbatches=microbatches)
+    step_fn, create, _, _, cfg, _ = step.llama_step("tiny", "bf16", batch=4, seq=32, microbatches=microbatches)
     tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, cfg.vocab_size, jnp.int32)
     state, _ = jax.jit(step_fn)(create(), tokens, jnp.int32(0))
     params.append(np.concatenate([np.asarray(l, np.float32).ravel() for l in jax.tree.leaves(state[0])]))
@@ -360,7 +361,7 @@ def test_flax_fp8_baseline_keeps_delayed_scaling_state(tmp_path):
   # parameters are trained, and the second step scales x by the first step's amax / 448 (E4M3's max).
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  step_fn, create, _, tokens_spec, cfg = step.llama_step("tiny", flax_fp8.NAME, batch=2, seq=32)
+  step_fn, create, _, tokens_spec, cfg, _ = step.llama_step("tiny", flax_fp8.NAME, batch=2, seq=32)
   assert not cfg.fuse_linears
   state = create()
   tokens = jax.random.randint(jax.random.key(1), tokens_spec.shape, 0, cfg.vocab_size)
@@ -392,7 +393,7 @@ def test_gpu_flax_fp8_step_runs_cublaslt_fp8_gemms():
   # The flax_fp8 row times FP8 GEMMs only if XLA rewrites Flax's float8 dots (written to bf16) to cuBLASLt's:
   # three per block linear (forward, dgrad, wgrad) in an unrolled step.
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  step_fn, _, abstract, tokens_spec, cfg = step.llama_step("tiny", flax_fp8.NAME, batch=4, seq=64)
+  step_fn, _, abstract, tokens_spec, cfg, _ = step.llama_step("tiny", flax_fp8.NAME, batch=4, seq=64)
   hlo = jax.jit(step_fn).lower(abstract, tokens_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile().as_text()
   assert dot.gemm_targets(hlo).count("__cublas$lt$matmul$f8") == 3 * 7 * cfg.n_layers, dot.gemm_targets(hlo)
 
@@ -440,7 +441,7 @@ def test_gpu_scanned_step_runs_each_forward_gemm_once():
   """The forward loop of a scanned step holds at most one GEMM per linear (7 per block; XLA may merge q, k, v),
   none inside a dynamic-slice fusion: that fusion cloned each GEMM whose output is also a saved residual (o,
   gate, up) on the H200 until the apps turned it off (`platform.DEFAULT_XLA_FLAGS`)."""
-  fn, _, state, tokens, _ = step.llama_step("tiny", "bf16", batch=2, seq=64, scan=True, layers=3)
+  fn, _, state, tokens, _, _ = step.llama_step("tiny", "bf16", batch=2, seq=64, scan=True, layers=3)
   text = jax.jit(fn).lower(state, tokens, jax.ShapeDtypeStruct((), jax.numpy.int32)).compile().as_text()
   gemms = [line for line in text.splitlines() if 'custom_call_target="__cublas' in line]
   forward = [line for line in gemms if re.search(r'op_name="[^"]*jvp\(\)/while/body', line)
