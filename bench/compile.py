@@ -5,6 +5,7 @@
                                                                    a whole train step
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
   python -m bench compile --step 30m --repeat 5 ...        each first call in 5 fresh processes: medians
+  python -m bench compile --step 30m --h200 --xla ...      compiled for an H200 by XLA:GPU, without a GPU
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
@@ -22,6 +23,14 @@ events, each with its thread and its start after the first event: work on the ca
 (the HLO passes, IR emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin) runs in
 parallel, so a sum over threads can exceed the wall time, and only the single events tell one long kernel from
 many short ones. Its compile seconds then include the profiler's own start and stop.
+
+`--h200 --xla` compiles too, with XLA:GPU itself for an H200 target, on a machine without a GPU (deviceless
+ahead-of-time compilation; it needs JAX's CUDA plugin: `pip install "jax[cuda13]==0.11.2"`). Every phase then
+runs as on the GPU machine's host, XLA's passes and each kernel's LLVM -> PTX -> cubin included, except that
+GEMM autotuning has no device to time its candidates on: with autotuning on, XLA still compiles them
+(`config-assigner` in `--passes`), so compare routes with `XLA_FLAGS=--xla_gpu_autotune_level=0`, where both
+machines compile the same kernels. The seconds follow this machine's CPUs (the per-kernel work runs on
+`--xla_gpu_force_compilation_parallelism` threads, one per usable CPU), so compare routes within one machine.
 
 `--h200 --triton` compiles each distinct Pallas kernel's Triton IR for sm_90 with the `triton` package (not an
 fp4jax dependency: `pip install triton==3.5.1`) and prints the count, total and slowest seconds: a CPU proxy for
@@ -81,6 +90,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--unfused-linears", action="store_true",
                       help="--step: one product per linear (LlamaConfig.fuse_linears=False)")
   parser.add_argument("--h200", action="store_true", help="lower for an abstract H200 (any machine; no compile)")
+  parser.add_argument("--xla", action="store_true",
+                      help="with --h200: compile with XLA:GPU for an H200 target on this machine (no GPU needed; "
+                           "needs JAX's CUDA plugin)")
   parser.add_argument("--passes", type=args_lib.int_at_least(0), default=0, metavar="N",
                       help="print the N XLA compile events (passes, backend) that took longest")
   parser.add_argument("--repeat", type=args_lib.int_at_least(1), default=1, metavar="N",
@@ -206,22 +218,69 @@ def _triton_lines(kernels: list[tuple[str, float, int]]) -> list[str]:
   return lines
 
 
-def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = False) -> dict:
+# The target of `--h200 --xla`: an H200 as XLA's GpuTargetConfig describes a device (NVIDIA's H200 SXM figures:
+# 132 SMs, 4.8 TB/s, 50 MiB L2, 228 KiB shared memory per SM; the memory size the H200 reports to JAX).
+_H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: 232448 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150754820096 cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether JAX's CUDA 13 plugin (`jax[cuda13]`) is installed: what `--h200 --xla` compiles with."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:  # no `jax_plugins` package at all
+    return False
+
+
+def _deviceless_h200() -> jax.sharding.Mesh:
+  """A 1-device ("data", "fsdp") mesh of an H200 that XLA:GPU compiles for without one (`--h200 --xla`)."""
+  if not cuda_plugin_installed():
+    raise UserError('bench compile: --xla compiles with XLA:GPU and needs JAX\'s CUDA plugin (pip install '
+                    '"jax[cuda13]==0.11.2"; no GPU needed)')
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topology = topologies.get_topology_desc(platform="cuda", target_config=_H200_TARGET, topology="1x1x1")
+  return topologies.make_mesh(topology, (1, 1), ("data", "fsdp"))
+
+
+def _on(mesh: jax.sharding.Mesh, tree):
+  """Abstract arguments `tree` replicated over `mesh`."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
+
+
+def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passes: int = 0,
+            triton_compile: bool = False) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
-  the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile)."""
-  target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
+  the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
+  `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered."""
+  if xla is not None:
+    target, args = jax.set_mesh(xla), _on(xla, args)
+  else:
+    target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
   with target as modules:
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
-    lowered = traced.lower(lowering_platforms=("cuda",)) if h200 else traced.lower()
+    lowered = traced.lower(lowering_platforms=("cuda",)) if h200 and xla is None else traced.lower()
     t2 = time.perf_counter()
-  compile_s, events, singles = None, [], []
-  if not h200 and passes:
-    compile_s, events, singles = compile_events(lowered)
-  elif not h200:
-    lowered.compile()
-    compile_s = time.perf_counter() - t2
+    compile_s, events, singles = None, [], []
+    if (xla is not None or not h200) and passes:
+      compile_s, events, singles = compile_events(lowered)
+    elif xla is not None or not h200:
+      lowered.compile()
+      compile_s = time.perf_counter() - t2
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -229,7 +288,7 @@ def _phases(fn, args, *, h200: bool, passes: int = 0, triton_compile: bool = Fal
           "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
           "singles": singles[:passes],
-          "triton": triton_seconds(modules) if h200 and triton_compile else None}
+          "triton": triton_seconds(modules) if h200 and xla is None and triton_compile else None}
 
 
 def _line(name: str, p: dict) -> str:
@@ -276,6 +335,7 @@ def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
   return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off", "compile",
           "--step", args.step, "--tokens", f"{batch}x{seq}", *scan,
           *(["--unfused-linears"] if args.unfused_linears else []), *(["--warm"] if args.warm else []),
+          *(["--h200", "--xla"] if args.xla else []),
           "--routes", route, "--out", out]
 
 
@@ -319,22 +379,29 @@ def _repeat(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
-  if args.repeat > 1 and (not args.step or args.h200 or args.passes or args.triton):
-    raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200, --passes "
-                    "or --triton")
-  if args.triton and not args.h200:
-    raise UserError("bench compile: --triton compiles the kernels of an --h200 lowering; add --h200")
-  if args.passes and args.h200:
+  if args.repeat > 1 and (not args.step or (args.h200 and not args.xla) or args.passes or args.triton):
+    raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200 (unless with "
+                    "--xla), --passes or --triton")
+  if args.xla and not args.h200:
+    raise UserError("bench compile: --xla compiles an --h200 lowering with XLA:GPU; add --h200")
+  if args.triton and (not args.h200 or args.xla):
+    raise UserError("bench compile: --triton compiles the kernels of an --h200 lowering with the `triton` package; "
+                    "use --h200 without --xla (which compiles them with XLA's own Triton)")
+  if args.passes and args.h200 and not args.xla:
     raise UserError("bench compile: --passes lists XLA's compile events, and --h200 only lowers (no compile); "
-                    "drop one")
+                    "add --xla or drop --h200")
   if args.triton and importlib.util.find_spec("triton") is None:
     raise UserError("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
+  if args.xla:  # before JAX starts its backends: the CUDA plugin's version checks need a GPU driver
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   if args.repeat > 1:
     _repeat(args)
     return
   if not args.warm:
     platform.enable_compilation_cache(None)
-  where = "abstract H200 (lowering only)" if args.h200 else dot.device_info()
+  xla = _deviceless_h200() if args.xla else None
+  where = ("H200 target, compiled by XLA:GPU on this machine's CPUs" if xla is not None else
+           "abstract H200 (lowering only)" if args.h200 else dot.device_info())
   print(f"bench compile: {where} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
   rows = []
@@ -346,7 +413,7 @@ def run(args: argparse.Namespace) -> None:
                                                    fuse_linears=not args.unfused_linears)
       name = (f"{args.step} {'scanned' if scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
               f"{batch}x{seq} {route}")
-      phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200,
+      phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200, xla=xla,
                        passes=args.passes, triton_compile=args.triton)
       print(_line(name, phases), flush=True)
       rows.append(_row(name, route, phases))
@@ -362,7 +429,7 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
-        phases = _phases(fn, fargs, h200=args.h200, passes=args.passes, triton_compile=args.triton)
+        phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton)
         print(_line(f"{sname} {route} {name}", phases), flush=True)
         rows.append(_row(f"{sname} {route} {name}", route, phases))
   _write(args.out, rows)

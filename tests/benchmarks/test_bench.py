@@ -105,7 +105,9 @@ def test_cli_errors():
 @pytest.mark.parametrize("argv, message", [
     (["triton", "mx nope"], "unknown kernels"),
     (["triton", "--shape", "40x128", "mx rne"], "kernel 'mx rne' does not take --shape 40x128"),
-    (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "add --h200"),
+    (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
+    (["compile", "--step", "tiny", "--h200", "--xla", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
+    (["compile", "--step", "tiny", "--xla", "--routes", "mxfp4"], "--xla compiles an --h200 lowering with XLA:GPU"),
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
     (["compile", "--step", "tiny", "--h200", "--repeat", "2", "--routes", "bf16"], "without --h200"),
@@ -229,6 +231,31 @@ def test_bench_compile_repeat_starts_no_backend_in_the_parent():
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.splitlines()[-1] == "backends []", done.stdout
   assert "device: {'device': 'cpu:cpu'" in done.stdout, done.stdout  # the children's device, in the header
+
+
+_CUDA_PLUGIN = compile_bench.cuda_plugin_installed()
+
+
+@pytest.mark.skipif(_CUDA_PLUGIN, reason="JAX's CUDA plugin is installed")
+def test_bench_compile_xla_without_the_cuda_plugin_says_what_to_install(capsys):
+  assert main(["--compile-cache", "off", "compile", "--step", "tiny", "--h200", "--xla", "--routes", "bf16"]) == 2
+  assert "needs JAX's CUDA plugin (pip install \"jax[cuda13]==0.11.2\"; no GPU needed)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _CUDA_PLUGIN, reason="needs JAX's CUDA plugin (no GPU)")
+def test_bench_compile_xla_compiles_for_an_h200_without_one(tmp_path):
+  """`--h200 --xla`: each step compiled by XLA:GPU for the H200 target (Pallas kernels included), every phase
+  timed, on a machine with or without a GPU. In a fresh process: the plugin registers when JAX starts its
+  backends, which this one did already."""
+  out = tmp_path / "rows.json"
+  done = subprocess.run([sys.executable, "-m", "bench", "--compile-cache", "off", "compile", "--step", "tiny",
+                         "--tokens", "2x32", "--scan", "auto", "--h200", "--xla", "--routes", "bf16", "mxfp4",
+                         "--out", str(out)], capture_output=True, text=True, check=True)
+  assert "H200 target, compiled by XLA:GPU" in done.stdout
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
+  assert all(r["compile"] > 0 and r["first_call"] >= r["compile"] for r in rows)
+  assert rows[0]["sites"] == 0 < rows[1]["sites"]
 
 
 def test_bench_compile_triton_compiles_each_distinct_kernel(capsys):
