@@ -402,6 +402,7 @@ def run(args: argparse.Namespace) -> None:
   xla = _deviceless_h200() if args.xla else None
   where = ("H200 target, compiled by XLA:GPU on this machine's CPUs" if xla is not None else
            "abstract H200 (lowering only)" if args.h200 else dot.device_info())
+  info = {**dot.device_info(), "target": "H200, deviceless XLA:GPU compile"} if xla is not None else None
   print(f"bench compile: {where} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
   key = jax.random.key(0)
   rows = []
@@ -421,7 +422,7 @@ def run(args: argparse.Namespace) -> None:
         first_calls[route] = phases["first_call"]
     if ratios := _x_bf16(first_calls):
       print(f"  first call x bf16's: {ratios}", flush=True)
-    _write(args.out, rows)
+    _write(args.out, rows, info)
     return
   shapes, m = dot.selected_shapes(args)
   for sname, k, n in shapes:
@@ -432,4 +433,4 @@ def run(args: argparse.Namespace) -> None:
         phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton)
         print(_line(f"{sname} {route} {name}", phases), flush=True)
         rows.append(_row(f"{sname} {route} {name}", route, phases))
-  _write(args.out, rows)
+  _write(args.out, rows, info)

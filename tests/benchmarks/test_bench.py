@@ -252,7 +252,9 @@ def test_bench_compile_xla_compiles_for_an_h200_without_one(tmp_path):
                          "--tokens", "2x32", "--scan", "auto", "--h200", "--xla", "--routes", "bf16", "mxfp4",
                          "--out", str(out)], capture_output=True, text=True, check=True)
   assert "H200 target, compiled by XLA:GPU" in done.stdout
-  rows = json.loads(out.read_text())["rows"]
+  written = json.loads(out.read_text())
+  assert written["info"]["target"] == "H200, deviceless XLA:GPU compile"
+  rows = written["rows"]
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
   assert all(r["compile"] > 0 and r["first_call"] >= r["compile"] for r in rows)
   assert rows[0]["sites"] == 0 < rows[1]["sites"]
@@ -321,7 +323,9 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   out = tmp_path / "step.json"
   main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "mxfp4",
         "--iters", "1", "--profile", "--top", "3", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
-  rows = json.loads(out.read_text())["rows"]
+  written = json.loads(out.read_text())
+  assert written["info"]["target"] == "H200, deviceless XLA:GPU compile"
+  rows = written["rows"]
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
   for r in rows:
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0 and r["mfu"] is None
