@@ -60,6 +60,7 @@ import glob
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import statistics
 import subprocess
@@ -99,6 +100,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="--step: each route's first call N times, each in a fresh process, routes interleaved; "
                            "prints the median and range")
   parser.add_argument("--out", help="write the rows as JSON here")
+  parser.add_argument("--hlo", metavar="DIR", help="write each compiled program's optimized HLO text here")
   parser.add_argument("--triton", action="store_true",
                       help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "
                            "package and print the seconds (a proxy for that share of XLA's compile)")
@@ -261,10 +263,11 @@ def _on(mesh: jax.sharding.Mesh, tree):
 
 
 def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passes: int = 0,
-            triton_compile: bool = False) -> dict:
+            triton_compile: bool = False, keep_hlo: bool = False) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
-  `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered."""
+  `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
+  `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled)."""
   if xla is not None:
     target, args = jax.set_mesh(xla), _on(xla, args)
   else:
@@ -281,6 +284,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     elif xla is not None or not h200:
       lowered.compile()
       compile_s = time.perf_counter() - t2
+    compiled_hlo = lowered.compile().as_text() if keep_hlo and compile_s is not None else None  # no recompile
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -288,7 +292,8 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
           "singles": singles[:passes],
-          "triton": triton_seconds(modules) if h200 and xla is None and triton_compile else None}
+          "triton": triton_seconds(modules) if h200 and xla is None and triton_compile else None,
+          "compiled_hlo": compiled_hlo}
 
 
 def _line(name: str, p: dict) -> str:
@@ -319,6 +324,14 @@ def _write(path: str | None, rows: list[dict], info: dict | None = None) -> None
   if path:
     with open(path, "w") as f:
       json.dump({"info": info or dot.device_info(), "rows": rows}, f, indent=1)
+
+
+def _write_hlo(directory: str | None, name: str, phases: dict) -> None:
+  """`--hlo DIR`: the compiled program of row `name` as DIR/<name, spaces as _>.hlo.txt."""
+  if directory and phases["compiled_hlo"] is not None:
+    path = pathlib.Path(directory) / (re.sub(r"[^\w.+-]+", "_", name) + ".hlo.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(phases["compiled_hlo"])
 
 
 def _x_bf16(first_calls: dict[str, float]) -> str | None:
@@ -387,6 +400,9 @@ def run(args: argparse.Namespace) -> None:
   if args.triton and (not args.h200 or args.xla):
     raise UserError("bench compile: --triton compiles the kernels of an --h200 lowering with the `triton` package; "
                     "use --h200 without --xla (which compiles them with XLA's own Triton)")
+  if args.hlo and args.h200 and not args.xla:
+    raise UserError("bench compile: --hlo writes compiled programs, and --h200 only lowers (no compile); add --xla "
+                    "or drop --h200")
   if args.passes and args.h200 and not args.xla:
     raise UserError("bench compile: --passes lists XLA's compile events, and --h200 only lowers (no compile); "
                     "add --xla or drop --h200")
@@ -415,8 +431,9 @@ def run(args: argparse.Namespace) -> None:
       name = (f"{args.step} {'scanned' if scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
               f"{batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200, xla=xla,
-                       passes=args.passes, triton_compile=args.triton)
+                       passes=args.passes, triton_compile=args.triton, keep_hlo=bool(args.hlo))
       print(_line(name, phases), flush=True)
+      _write_hlo(args.hlo, name, phases)
       rows.append(_row(name, route, phases))
       if phases["first_call"] is not None:
         first_calls[route] = phases["first_call"]
@@ -430,7 +447,9 @@ def run(args: argparse.Namespace) -> None:
     for route in args.routes:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
-        phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton)
+        phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton,
+                         keep_hlo=bool(args.hlo))
         print(_line(f"{sname} {route} {name}", phases), flush=True)
+        _write_hlo(args.hlo, f"{sname} {route} {name}", phases)
         rows.append(_row(f"{sname} {route} {name}", route, phases))
   _write(args.out, rows, info)

@@ -108,6 +108,7 @@ def test_cli_errors():
     (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
     (["compile", "--step", "tiny", "--h200", "--xla", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
     (["compile", "--step", "tiny", "--xla", "--routes", "mxfp4"], "--xla compiles an --h200 lowering with XLA:GPU"),
+    (["compile", "--step", "tiny", "--h200", "--hlo", "x", "--routes", "mxfp4"], "--hlo writes compiled programs"),
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
     (["compile", "--step", "tiny", "--h200", "--repeat", "2", "--routes", "bf16"], "without --h200"),
@@ -353,8 +354,11 @@ def test_scan_auto_runs_each_route_as_training_does(tmp_path, capsys):
   assert "for quantized routes, unrolled for bf16" in printed
   assert re.search(r"^bf16 \(unrolled\) ", printed, re.M) and re.search(r"^mxfp4 \(scanned\) ", printed, re.M)
   main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--scan", "auto", "--routes",
-        "bf16", "mxfp4", "--out", str(out)])
+        "bf16", "mxfp4", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
   lines = capsys.readouterr().out.splitlines()
+  hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())  # --hlo: each compiled program
+  assert hlo == ["tiny_scanned_2x32_mxfp4.hlo.txt", "tiny_unrolled_2x32_bf16.hlo.txt"], hlo
+  assert "is_scheduled=true" in (tmp_path / "hlo" / hlo[0]).read_text()
   assert [l.split()[1] for l in lines if l.startswith("  tiny ")] == ["unrolled", "scanned"]
   # The printed lines round each first call to 0.1 s; the ratio is taken from the unrounded times (the JSON rows).
   firsts = {r["route"]: r["first_call"] for r in json.loads(out.read_text())["rows"]}
