@@ -198,8 +198,7 @@ def nvfp4_encode_scale(amax: jax.Array, scale_max: float) -> jax.Array:
 
 
 def nvfp4_outer(s_enc: jax.Array) -> jax.Array:
-  """The FP32 outer (decode) factor 1 / S_enc, NaN where S_enc is not finite. s_enc: `nvfp4_encode_scale`'s,
-  never subnormal (at least 6 * scale_max / headroom over float32 max, or 1), so it is not lifted."""
+  """1 / S_enc, the FP32 decode factor (NaN where S_enc is not finite); S_enc >= 6 / float32 max: not lifted."""
   return jnp.where(jnp.isfinite(s_enc), ieee.div(np.float32(1.0), s_enc, b_normal=True), jnp.nan)
 
 

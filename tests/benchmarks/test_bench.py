@@ -324,9 +324,7 @@ def test_bench_step_runs_and_profiles_on_cpu(tmp_path, capsys):
   out = tmp_path / "step.json"
   main(["--compile-cache", "off", "step", "--preset", "tiny", "--tokens", "2x32", "--routes", "bf16", "mxfp4",
         "--iters", "1", "--profile", "--top", "3", "--out", str(out), "--hlo", str(tmp_path / "hlo")])
-  written = json.loads(out.read_text())
-  assert written["info"]["target"] == "H200, deviceless XLA:GPU compile"
-  rows = written["rows"]
+  rows = json.loads(out.read_text())["rows"]
   assert [r["route"] for r in rows] == ["bf16", "mxfp4"]
   for r in rows:
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0 and r["mfu"] is None
