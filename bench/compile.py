@@ -221,7 +221,8 @@ def _triton_lines(kernels: list[tuple[str, float, int]]) -> list[str]:
 
 
 # The target of `--h200 --xla`: an H200 as XLA's GpuTargetConfig describes a device (NVIDIA's H200 SXM figures:
-# 132 SMs, 4.8 TB/s, 50 MiB L2, 228 KiB shared memory per SM; the memory size the H200 reports to JAX).
+# 132 SMs, 4.8 TB/s, 50 MiB L2, 228 KiB shared memory per SM, 143,771 MiB of memory). The cuDNN and CUDA runtime
+# versions only gate which library calls XLA may emit.
 _H200_TARGET = """
 gpu_device_info {
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
