@@ -123,7 +123,8 @@ def lift(f: jax.Array) -> tuple[jax.Array, jax.Array]:
   if isinstance(f, (np.ndarray, np.generic, float, int)):
     f = np.asarray(f, np.float32)
     subnormal = (f != 0) & (np.abs(f) < np.float32(_TINY))
-    return np.where(subnormal, f * np.float32(2.0**LIFT), f), np.where(subnormal, LIFT, 0).astype(np.int32)
+    lifted = np.where(subnormal, f, 0) * np.float32(2.0**LIFT)  # only subnormals scaled: no overflow warning
+    return np.where(subnormal, lifted, f), np.where(subnormal, LIFT, 0).astype(np.int32)
   f = jnp.asarray(f, jnp.float32)
   bits = jax.lax.bitcast_convert_type(f, jnp.uint32)
   mant = bits & np.uint32(0x7FFFFF)
