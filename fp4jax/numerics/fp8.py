@@ -185,11 +185,15 @@ def mx_to_fp8(q: QTensor) -> Fp8Operand:
   return fp8_operand_from_codes(q.codes, q.scales)
 
 
+def _lowest_exponent(scales: jax.Array, axis: int | None) -> jax.Array:
+  """The smallest finite E8M0 block exponent of uint8 `scales` along `axis` (None: the whole tensor)."""
+  s = scales.astype(jnp.int32)
+  return jnp.min(jnp.where(s == E8M0_NAN, 255, s), axis=axis) - E8M0_BIAS
+
+
 def span_ok(q: QTensor) -> jax.Array:
   """bool [R]: rows of an MXFP4 QTensor that encode exactly (e_row - e_b <= 14 for every finite block)."""
-  s = q.scales.astype(jnp.int32)
-  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s), axis=-1) - E8M0_BIAS
-  return row_exponent(q.scales) - lo <= MAX_EXACT_SPAN
+  return row_exponent(q.scales) - _lowest_exponent(q.scales, -1) <= MAX_EXACT_SPAN
 
 
 def tensor_exponent(scales: jax.Array) -> jax.Array:
@@ -202,9 +206,7 @@ def exponents(scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   `tensor_span_ok` in one set of reductions, for a GEMM that picks per-row or per-tensor factors at run time."""
   e_row = row_exponent(scales)
   e_t = jnp.max(e_row)  # the floor commutes with the max: tensor_exponent
-  s = scales.astype(jnp.int32)
-  lo = jnp.min(jnp.where(s == E8M0_NAN, 255, s)) - E8M0_BIAS
-  return e_row, e_t, e_t - lo <= MAX_EXACT_SPAN
+  return e_row, e_t, e_t - _lowest_exponent(scales, None) <= MAX_EXACT_SPAN
 
 
 def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:

@@ -156,8 +156,8 @@ def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   on every row where the per-tensor path is taken, each row's own e_row otherwise (the same bits as
   `fp8_tensor_operand` and `mx_to_fp8`). The branches then hold only a GEMM and its factors: XLA compiles both,
   and with the encodings inside them every fp4_dot compiled four (a third of an mxfp4 train step's program)."""
-  (ea, ta, oka), (eb, tb, okb) = (encoding.exponents(q.scales) for q in (a, b))
-  ok, e_t, e_row = oka & okb, (ta, tb), (ea, eb)
+  e_row, e_t, oks = zip(*(encoding.exponents(q.scales) for q in (a, b)))
+  ok = oks[0] & oks[1]
   av, bv = (encoding.fp8_values(q, jnp.where(ok, t, r)) for q, t, r in zip((a, b), e_t, e_row))
 
   def per_tensor():
