@@ -269,6 +269,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
   `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
   `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled)."""
+  lowering_only = h200 and xla is None  # --h200 without --xla: nothing compiles
   if xla is not None:
     target, args = jax.set_mesh(xla), _on(xla, args)
   else:
@@ -277,12 +278,12 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
-    lowered = traced.lower(lowering_platforms=("cuda",)) if h200 and xla is None else traced.lower()
+    lowered = traced.lower(lowering_platforms=("cuda",)) if lowering_only else traced.lower()
     t2 = time.perf_counter()
     compile_s, events, singles = None, [], []
-    if (xla is not None or not h200) and passes:
+    if not lowering_only and passes:
       compile_s, events, singles = compile_events(lowered)
-    elif xla is not None or not h200:
+    elif not lowering_only:
       lowered.compile()
       compile_s = time.perf_counter() - t2
     compiled_hlo = lowered.compile().as_text() if keep_hlo and compile_s is not None else None  # no recompile
@@ -293,7 +294,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
           "singles": singles[:passes],
-          "triton": triton_seconds(modules) if h200 and xla is None and triton_compile else None,
+          "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "compiled_hlo": compiled_hlo}
 
 
@@ -393,9 +394,9 @@ def _repeat(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
   """Prints one line per route (and per shape and direction for fp4_dot) with the phases of its first call."""
-  if args.repeat > 1 and (not args.step or (args.h200 and not args.xla) or args.passes or args.triton):
+  if args.repeat > 1 and (not args.step or (args.h200 and not args.xla) or args.passes or args.triton or args.hlo):
     raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200 (unless with "
-                    "--xla), --passes or --triton")
+                    "--xla), --passes, --triton or --hlo")
   if args.xla and not args.h200:
     raise UserError("bench compile: --xla compiles an --h200 lowering with XLA:GPU; add --h200")
   if args.triton and (not args.h200 or args.xla):

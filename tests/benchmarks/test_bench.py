@@ -112,6 +112,7 @@ def test_cli_errors():
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
     (["compile", "--step", "tiny", "--h200", "--repeat", "2", "--routes", "bf16"], "without --h200"),
+    (["compile", "--step", "tiny", "--repeat", "2", "--hlo", "x", "--routes", "bf16"], "--triton or --hlo"),
     (["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"],
      r"--shapes 3 is no shape; the --small shapes are 0: up"),
     (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
