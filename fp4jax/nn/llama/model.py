@@ -2,11 +2,13 @@
 
 Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with its own FP4Linear routes
 (first/last N blocks in bf16). `__call__` unrolls them by default. With `scan_layers=True` it runs each run of
-consecutive blocks with identical routes as one `jax.lax.scan` over their parameters stacked inside the call
-(FP4Linear kernels stacked already cast to the bf16 their products read, `_kernel_dtypes`): compile time then
-grows with the number of distinct runs, not with depth, the parameter tree is unchanged, and gradients flow
-back to each block through the stack; both give bit-identical numbers (the layer index
-reaches the per-linear keys as a traced scan input).
+consecutive blocks with identical routes as one loop over their parameters stacked inside the call
+(`fp4jax.nn.scan.run_layers`: a scan that writes what the backward reads into uninitialized stacks, not
+zero-filled ones as `jax.lax.scan`'s; FP4Linear kernels stacked already cast to the bf16 their products read,
+`_kernel_dtypes`): compile time then grows with the number of distinct runs, not with depth, the parameter tree
+is unchanged, and gradients flow back to each block through the stack. Scanned and unrolled give bit-identical
+numbers on the CPU (the layer index reaches the per-linear keys as a traced loop index); on an H200, XLA fused
+a bf16 unrolled step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md).
 
 What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
 unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
@@ -32,7 +34,7 @@ from flax import nnx
 
 from fp4jax import dot
 from fp4jax.impl import Impl
-from fp4jax.nn import linear, rules as rules_lib
+from fp4jax.nn import linear, rules as rules_lib, scan as scan_lib
 from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
@@ -73,9 +75,9 @@ class Llama(nnx.Module):
   `layers.linear_index`), the lm_head prng.fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
   ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
-  `lax.scan` under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs, not depth;
-  the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md); False
-  (default) unrolls them, with the same bits; "auto" scans when any block runs a quantized route (whose
+  loop (`scan.run_layers`) under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs,
+  not depth; the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md);
+  False (default) unrolls them, with the same bits; "auto" scans when any block runs a quantized route (whose
   unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it took 11 s) and
   unrolls bf16-only models.
   """
@@ -150,10 +152,10 @@ class Llama(nnx.Module):
     return groups
 
   def _run_blocks(self, group: range, x: jax.Array, positions: jax.Array, key: jax.Array | None) -> jax.Array:
-    """x [B, T, D] through blocks `group`: a direct call for one block, else a scan over stacked params."""
+    """x [B, T, D] through blocks `group`: a direct call for one block, else a loop over stacked params."""
     if len(group) == 1:
       return self.layers[group.start](x, positions, key=key)
-    graphdef = nnx.graphdef(self.layers[group.start])  # Its own `layer` is overridden by the scan input.
+    graphdef = nnx.graphdef(self.layers[group.start])  # Its own `layer` is overridden by the loop's index.
     states = [nnx.state(self.layers[i]) for i in group]
     casts = _kernel_dtypes(self.layers[group.start])
 
@@ -162,14 +164,13 @@ class Llama(nnx.Module):
       return jnp.stack([leaf.astype(dtype) for leaf in leaves] if dtype else leaves)
 
     stacked = jax.tree_util.tree_map_with_path(stack, *states)
-    layer_ids = jnp.arange(group.start, group.stop, dtype=jnp.int32)  # [L]
 
-    @functools.partial(jax.checkpoint, policy=self.scan_policy, prevent_cse=False)  # CSE is safe in a scan
-    def block(h, state, layer):
+    @functools.partial(jax.checkpoint, policy=self.scan_policy, prevent_cse=False)  # CSE is safe in a loop body
+    def block(h, state, invariants, layer):
+      positions, key = invariants
       return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer)
 
-    x, _ = jax.lax.scan(lambda h, inputs: (block(h, *inputs), None), x, (stacked, layer_ids))
-    return x
+    return scan_lib.run_layers(block, x, stacked, (positions, key), first_layer=group.start)
 
   def routes(self) -> dict[str, str]:
     """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4."""

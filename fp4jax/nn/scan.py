@@ -1,0 +1,135 @@
+"""A loop over stacked layers that saves what each layer's backward reads into uninitialized buffers.
+
+`jax.lax.scan` (JAX 0.11.2) allocates every stacked output, and under AD every value its backward reads, as
+zeros (`lax.empty2` broadcast) before the loop overwrites them slice by slice: a scanned Llama-1B mxfp4 step
+compiled for the H200 wrote 12.8 GiB of zeros per step (docs/BENCHMARKS.md). `run_layers` has its own VJP
+instead. Its forward is a `fori_loop` whose body takes `jax.vjp` of one layer and writes each residual of that
+VJP into a `lax.empty` stack (on GPU one uninitialized allocation, no fill); its backward, a reversed loop,
+rebuilds each layer's VJP from slice l of the stacks and writes the parameter gradients into `lax.empty`
+stacks too. A residual that is one of the layer's inputs (a parameter slice, an invariant) is not stored:
+the backward takes it from where the forward did. Each layer's forward and backward are the computations a
+`lax.scan` would run, with the same numbers (tests/nn/test_scan.py).
+
+Limits: reverse-mode only (no `jax.jvp` through it, as for any `custom_vjp`); invariants get no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class _Source(NamedTuple):
+  """Where one leaf of a layer's VJP comes from in the backward: kind "stored" (stack `index`), "param"
+  (leaf `index` of the layer's parameters), "invariant" (leaf `index` of the invariants), "layer" (the layer
+  index), or "static" (the leaf itself, which is no traced array: a constant, or a marker object of JAX's
+  VJP)."""
+
+  kind: str
+  index: Any
+
+
+def _sources(leaves: list[Any], params: list[Any], invariants: list[Any], layer: jax.Array) -> list[_Source]:
+  """Each VJP leaf's source. Inputs are found by identity: a VJP keeps the very arrays it was given."""
+  inputs = {id(x): _Source("param", i) for i, x in enumerate(params)}
+  inputs |= {id(x): _Source("invariant", i) for i, x in enumerate(invariants)}
+  inputs[id(layer)] = _Source("layer", 0)
+  stored: dict[int, int] = {}
+  sources = []
+  for leaf in leaves:
+    if id(leaf) in inputs:
+      sources.append(inputs[id(leaf)])
+    elif isinstance(leaf, jax.core.Tracer):  # a value kept twice is stored once
+      sources.append(_Source("stored", stored.setdefault(id(leaf), len(stored))))
+    else:
+      sources.append(_Source("static", leaf))
+  return sources
+
+
+def _slice(tree: Any, i: jax.Array) -> Any:
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
+
+
+def _write(stacks: list[jax.Array], values: list[jax.Array], i: jax.Array) -> list[jax.Array]:
+  return [jax.lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
+
+
+def _differentiable(x: Any) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _no_gradient(x: Any) -> np.ndarray:
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invariants: Any = (), *,
+               first_layer: int = 0) -> jax.Array:
+  """h through L layers, h = body(h, params_l, invariants, layer) for l in range(L), where params_l is slice l
+  of each leaf of `stacked` ([L, ...]) and `layer` = first_layer + l (a traced int32). Returns the last h.
+
+  Differentiable in h and `stacked`; `invariants` (positions, a random key, ...) are passed to every layer
+  and not differentiated, so they must be integer, boolean or key arrays (a TypeError otherwise). Each layer
+  saves what `jax.vjp(body)` keeps: wrap `body` in `jax.checkpoint` with a policy to choose what that is."""
+  floats = [x for x in jax.tree.leaves(invariants) if _differentiable(x)]
+  if floats:
+    raise TypeError(f"run_layers: invariants get no gradient, so they take integer, boolean or key arrays; got "
+                    f"{', '.join(str(jax.typeof(x)) for x in floats)} (pass a differentiable value in `stacked`, "
+                    f"or close over it in `body` if it is a constant)")
+  length = jax.tree.leaves(stacked)[0].shape[0]
+  # One layer's VJP structure and leaf sources, set while tracing the forward, read by the backward's trace.
+  plan: dict[str, Any] = {}
+
+  def layer(h, params, invariants, index):
+    """One layer's output and the leaves of its VJP that must be stored, in stack order."""
+    out, vjp = jax.vjp(lambda h, p: body(h, p, invariants, index), h, params)
+    leaves, treedef = jax.tree.flatten(vjp)
+    sources = _sources(leaves, jax.tree.leaves(params), jax.tree.leaves(invariants), index)
+    if "sources" in plan and [s.kind for s in sources] != [s.kind for s in plan["sources"]]:
+      raise AssertionError("run_layers: two traces of one layer's forward kept different residuals")
+    plan.update(treedef=treedef, sources=sources)
+    stored = {s.index: leaf for leaf, s in zip(leaves, sources) if s.kind == "stored"}
+    return out, [stored[i] for i in range(len(stored))]
+
+  @jax.custom_vjp
+  def run(h, stacked, invariants):
+    step = lambda i, h: body(h, _slice(stacked, i), invariants, first_layer + i)
+    return jax.lax.fori_loop(0, length, step, h)
+
+  def forward(h, stacked, invariants):
+    first = jnp.int32(first_layer)  # traced, as in the loop, so that the same residuals are kept
+    avals = jax.eval_shape(lambda *a: layer(*a)[1], h, _slice(stacked, 0), invariants, first)
+
+    def step(i, carry):
+      h, stacks = carry
+      h, stored = layer(h, _slice(stacked, i), invariants, first_layer + i)
+      return h, _write(stacks, stored, i)
+
+    stacks = [jax.lax.empty((length, *a.shape), a.dtype) for a in avals]
+    h, stacks = jax.lax.fori_loop(0, length, step, (h, stacks))
+    return h, (stacks, stacked, invariants)
+
+  def backward(residuals, g):
+    stacks, stacked, invariants = residuals
+    params, params_tree = jax.tree.flatten(stacked)
+    trained = [_differentiable(x) for x in params]
+
+    def step(k, carry):
+      g, grads = carry
+      i = length - 1 - k
+      origin = {"stored": _slice(stacks, i), "param": _slice(params, i), "invariant": jax.tree.leaves(invariants),
+                "layer": [first_layer + i]}
+      leaves = [s.index if s.kind == "static" else origin[s.kind][s.index] for s in plan["sources"]]
+      g, d_params = jax.tree.unflatten(plan["treedef"], leaves)(g)
+      return g, _write(grads, [d for d, t in zip(jax.tree.leaves(d_params), trained) if t], i)
+
+    grads = [jax.lax.empty(x.shape, x.dtype) for x, t in zip(params, trained) if t]
+    g, grads = jax.lax.fori_loop(0, length, step, (g, grads))
+    grads = iter(grads)
+    d_stacked = [next(grads) if t else _no_gradient(x) for x, t in zip(params, trained)]
+    return g, jax.tree.unflatten(params_tree, d_stacked), jax.tree.map(_no_gradient, invariants)
+
+  run.defvjp(forward, backward)
+  return run(h, stacked, invariants)

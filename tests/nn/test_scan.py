@@ -1,0 +1,105 @@
+"""fp4jax.nn.scan.run_layers: the numbers of jax.lax.scan and of a Python loop, saved values in uninitialized
+stacks, and nothing stored that the backward can take from the layer's own inputs."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax.nn import scan
+
+L, B, D = 4, 6, 16
+
+
+def _body(h, params, invariants, layer):
+  """A layer that reads every kind of input: parameters (float and int), the index, an int and a key invariant."""
+  positions, key = invariants
+  noise = jax.random.uniform(jax.random.fold_in(key, layer), h.shape, h.dtype, -0.01, 0.01)
+  z = jnp.tanh(h @ params["w"].astype(h.dtype) + params["b"]) * (1 + params["n"].astype(h.dtype))
+  z = jax.ad_checkpoint.checkpoint_name(z, "z")
+  return h + z * z * jnp.cos(positions.astype(h.dtype))[:, None] + noise  # z * z: the backward reads z
+
+
+def _inputs(seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  stacked = {"w": (jax.random.normal(k[0], (L, D, D)) / 4).astype(jnp.bfloat16),  # a cast weight, as in Llama
+             "b": jax.random.normal(k[1], (L, D)) / 4,
+             "n": jnp.arange(L, dtype=jnp.int32)}  # a parameter leaf that gets no gradient
+  h = jax.random.normal(k[2], (B, D))
+  invariants = (jnp.arange(B, dtype=jnp.int32), k[3])
+  return h, stacked, invariants
+
+
+def _python_loop(body, h, stacked, invariants, first_layer):
+  for l in range(L):  # The barrier keeps XLA from fusing across layers, as a loop's boundary does.
+    h = jax.lax.optimization_barrier(body(h, jax.tree.map(lambda x: x[l], stacked), invariants,
+                                          jnp.int32(first_layer + l)))
+  return h
+
+
+def _lax_scan(body, h, stacked, invariants, first_layer):
+  step = lambda h, xs: (body(h, xs[0], invariants, xs[1]), None)
+  return jax.lax.scan(step, h, (stacked, first_layer + jnp.arange(L, dtype=jnp.int32)))[0]
+
+
+def _value_and_grads(run, body):
+  def loss(h, stacked, invariants):
+    return jnp.sum(run(body, h, stacked, invariants, first_layer=3) ** 2)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), allow_int=True))(*_inputs())
+
+
+@pytest.mark.parametrize("reference", [_lax_scan, _python_loop])
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.save_only_these_names("z")])
+def test_run_layers_matches_lax_scan_and_a_loop_bit_for_bit(policy, reference):
+  body = _body if policy is None else jax.checkpoint(_body, policy=policy)
+  (value, grads), (value_ref, grads_ref) = _value_and_grads(scan.run_layers, body), _value_and_grads(reference, body)
+  assert value == value_ref
+  assert jax.tree.structure(grads) == jax.tree.structure(grads_ref)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype != jax.dtypes.float0:
+      np.testing.assert_array_equal(got, want)
+  # Every layer received its own gradient (the reversed loop wrote each slice).
+  assert all(np.any(np.asarray(grads[1]["b"][l]) != 0) for l in range(L))
+  assert len({np.asarray(grads[1]["w"][l]).tobytes() for l in range(L)}) == L
+
+
+def _stacks(body):
+  """dtype[shape] of the stacks run_layers' forward allocates for its backward."""
+  h, stacked, invariants = _inputs()
+  forward = lambda h, s: jax.vjp(lambda h, s: scan.run_layers(body, h, s, invariants), h, s)[0]
+  jaxpr = jax.make_jaxpr(forward)(h, stacked)
+  return sorted(e.outvars[0].aval.str_short(short_dtypes=True) for e in jaxpr.eqns if e.primitive.name == "empty")
+
+
+def test_run_layers_stores_computed_values_only():
+  # Saving only z: the stacks hold z and each layer's input h; the weights, biases, positions, key and layer
+  # index, which the backward reads too, come from the stacked parameters and the invariants instead.
+  saved_z = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("z"))
+  assert _stacks(saved_z) == [f"f32[{L},{B},{D}]"] * 2
+  # Without a policy the VJP keeps more (tanh's output, the float32 weight, ...), but never an input.
+  everything = _stacks(_body)
+  assert len(everything) > 2 and all(re.fullmatch(rf"f32\[{L}(,\d+)*\]", s) for s in everything), everything
+
+
+def test_run_layers_lowers_its_stacks_to_uninitialized_buffers_on_gpu():
+  # Lowered for CUDA (on any machine), each stack is an AllocateBuffer, never a broadcast of zeros; jax.lax.scan
+  # writes zeros into its stacked outputs first. On the CPU `lax.empty` is zeros; the tests run there.
+  def grads(run):
+    def loss(h, stacked, invariants):
+      return jnp.sum(run(_body, h, stacked, invariants))
+    return jax.jit(jax.grad(loss, argnums=1, allow_int=True)).trace(*_inputs()).lower(
+        lowering_platforms=("cuda",)).as_text()
+  text = grads(lambda body, h, s, inv: scan.run_layers(body, h, s, inv))
+  allocations = text.count("custom_call @AllocateBuffer()")
+  assert allocations == len(_stacks(_body)) + 2, allocations  # + the gradients of w and b
+  assert "AllocateBuffer" not in grads(functools.partial(_lax_scan, first_layer=0))
+
+
+def test_run_layers_refuses_differentiable_invariants():
+  h, stacked, _ = _inputs()
+  with pytest.raises(TypeError, match=r"invariants get no gradient.*float32\[6\]"):
+    scan.run_layers(_body, h, stacked, (jnp.ones(B), jax.random.key(0)))
