@@ -77,9 +77,9 @@ class Llama(nnx.Module):
   `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
   loop (`scan.run_layers`) under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs,
   not depth; the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md);
-  False (default) unrolls them, with the same bits; "auto" scans when any block runs a quantized route (whose
-  unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it took 11 s) and
-  unrolls bf16-only models.
+  False (default) unrolls them, with the same bits on the CPU; "auto" scans when any block runs a quantized
+  route (whose unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it
+  took 11 s) and unrolls bf16-only models.
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
