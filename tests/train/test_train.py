@@ -286,13 +286,14 @@ _SHARDED = textwrap.dedent("""
   from tiny_steps import tiny_steps
   from train import train
   out = {}
-  # The last two: 16 sequences in 2 microbatches of 8, each split over the 8 devices.
-  for name, shape, devs, batch, microbatches in [
-      ("single", (1, 1), jax.devices()[:1], 8, 1), ("fsdp8", (1, 8), None, 8, 1),
-      ("data2_fsdp4", (2, 4), None, 8, 1), ("single_16", (1, 1), jax.devices()[:1], 16, 1),
-      ("data2_fsdp4_mb2", (2, 4), None, 16, 2)]:
+  # "..._mb2": 16 sequences in 2 microbatches of 8, each split over the 8 devices. "..._scanned": the blocks as
+  # one loop (fp4jax.nn.scan.run_layers) over sharded stacked parameters.
+  for name, shape, devs, batch, microbatches, scan in [
+      ("single", (1, 1), jax.devices()[:1], 8, 1, "auto"), ("fsdp8", (1, 8), None, 8, 1, "auto"),
+      ("data2_fsdp4", (2, 4), None, 8, 1, "auto"), ("single_16", (1, 1), jax.devices()[:1], 16, 1, "auto"),
+      ("data2_fsdp4_mb2", (2, 4), None, 16, 2, "auto"), ("data2_fsdp4_scanned", (2, 4), None, 8, 1, True)]:
     batches = [np.random.default_rng(i).integers(0, 257, (batch, 33)).astype(np.int32) for i in range(3)]
-    run = tiny_steps(batches, train.make_mesh(shape, devs), microbatches)
+    run = tiny_steps(batches, train.make_mesh(shape, devs), microbatches, scan)
     out[name] = dict(run, params=run["params"].tolist())
   json.dump(out, sys.stdout)
 """)
@@ -306,7 +307,7 @@ def test_sharded_step_matches_single_device():
   out = json.loads(proc.stdout)
   assert any("fsdp" in s for s in out["fsdp8"]["specs"]), out["fsdp8"]["specs"]
   for name, ref in (("fsdp8", out["single"]), ("data2_fsdp4", out["single"]),
-                    ("data2_fsdp4_mb2", out["single_16"])):
+                    ("data2_fsdp4_mb2", out["single_16"]), ("data2_fsdp4_scanned", out["single"])):
     # Sharding only reorders float32 sums (the batch mean, gradient reductions across shards); all-gathers are
     # exact. That moves the loss by a few float32 ulps of each sum (~1e-7 relative); a wrong shard or a
     # dropped slice moves it by > 1e-3.

@@ -8,10 +8,11 @@ import numpy as np
 from train import config, train
 
 
-def tiny_steps(batches: list[np.ndarray], mesh, microbatches: int = 1) -> dict:
+def tiny_steps(batches: list[np.ndarray], mesh, microbatches: int = 1, scan_layers: bool | str = "auto") -> dict:
   """{"losses", "specs" (the state's partition specs), "params" (every float32 state leaf, flattened)} after one
-  train step per batch of int32 [B, 33] tokens on `mesh`, with `microbatches` passes per step."""
-  cfg = config.from_dict({"model": {"preset": "tiny", "dtype": "float32"},
+  train step per batch of int32 [B, 33] tokens on `mesh`, with `microbatches` passes per step and the config's
+  `model.scan_layers`."""
+  cfg = config.from_dict({"model": {"preset": "tiny", "dtype": "float32", "scan_layers": scan_layers},
                           "data": {"seq_len": 32, "batch_size": len(batches[0]), "microbatches": microbatches},
                           "optim": {"lr": 1e-3, "warmup": 0}, "run": {"steps": 4}})
   ts = train.init_train_state(cfg, 257, mesh)
