@@ -6,8 +6,8 @@ compiled for the H200 wrote 12.8 GiB of zeros per step (docs/BENCHMARKS.md). `ru
 instead. Its forward is a `fori_loop` whose body takes `jax.vjp` of one layer and writes each residual of that
 VJP into a `lax.empty` stack (on GPU one uninitialized allocation, no fill); its backward, a reversed loop,
 rebuilds each layer's VJP from slice l of the stacks and writes the parameter gradients into `lax.empty`
-stacks too. A residual that is one of the layer's inputs (a parameter slice, an invariant) is not stored:
-the backward takes it from where the forward did. Each layer's forward and backward are the computations a
+stacks too. A residual that is one of the layer's inputs (a parameter slice, an invariant, the layer index)
+is not stored: the backward takes it from where the forward did. Each layer's forward and backward are the computations a
 `lax.scan` would run, with the same numbers (tests/nn/test_scan.py).
 
 Limits: reverse-mode only (no `jax.jvp` through it, as for any `custom_vjp`); invariants get no gradient.
