@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from fp4jax.numerics import reference
 from fp4jax.numerics.hadamard import hadamard
@@ -25,3 +26,21 @@ def test_rotated_amax_matches_reference(transform, axis):
   y = np.asarray(x, np.float32).copy()
   y[17, 33] = np.inf
   assert np.isnan(amax.rotated_amax(jnp.asarray(y), transform, TKEY, axis=axis, interpret=True))
+
+
+@pytest.mark.parametrize("transform", ["h16", "rht16", "rht32"])
+def test_planes_rotate_every_element_like_hadamard(transform):
+  """The strided planes behind the column views' amax hold hadamard(x, axis=0) element for element (the amax
+  test above sees only one element per tile)."""
+  n = amax.hadamard.KINDS[transform].n
+  x = jnp.asarray(INPUTS["heavy"](rng_for("planes", transform), (128, 64)), jnp.bfloat16)
+
+  def kernel(w_ref, x_ref, o_ref):
+    planes = amax.common.butterfly(amax._planes(x_ref, n), n, amax.common.read_words(w_ref, 0))
+    for p, plane in enumerate(planes):
+      o_ref[pl.ds(p, x.shape[0] // n, stride=n), :] = plane
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.int32), interpret=True)(
+      amax.common.sign_words(transform, TKEY), x)
+  want = jax.lax.bitcast_convert_type(hadamard(x, transform, axis=0, key=TKEY), jnp.int32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

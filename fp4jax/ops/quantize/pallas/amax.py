@@ -6,7 +6,10 @@ synchronisation point, so it is a separate pass. `bf16_amax` / `tile_amaxes` are
 |bit patterns| (NaN when anything is NaN or Inf, as `reference._amax`). A rotated view needs the amax of the
 *rotated* tensor: `rotated_amax` runs the quantizers' butterfly (`common.butterfly`, `hadamard.fwht`'s order)
 on each tile and writes one max of |bits| per program, reduced by XLA, so it agrees with the reference bit for
-bit.
+bit. Along the rows of a tile (the column views, axis 0) with a transform of up to `PLANES_MAX` points the tile
+is loaded as one strided plane per row of a Hadamard block, so every butterfly stage is elementwise between
+planes; the reshaping form (each stage a [rows/2e, 2, e * cols] regrouping) ran 3.4-6.0x slower on the H200
+(rht16: 1015 -> 168 us at 16384 x 16384, about the 132 us of the plain amax; docs/BENCHMARKS.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from fp4jax.ops.quantize.pallas import common
 AMAX_KERNEL_NAME = "fp4jax_rotated_amax"
 TILE_ROWS = (128, 64, 32, 16)  # rows of the rotated axis per program, largest first
 TILE_COLS = (64, 32, 16)
+# Transforms along the rows of a tile (axis 0) up to this size load the tile as one plane per row of a Hadamard
+# block (`_planes`); larger ones (rht128) keep the reshaping butterfly on one plane.
+PLANES_MAX = 32
 
 _BF16_ABS = 0x7FFF
 _BF16_INF = 0x7F80
@@ -46,12 +52,24 @@ class AmaxConfig:
   interpret: bool = False
 
 
+def _planes(x_ref, n: int) -> list[jax.Array]:
+  """float32 bits of a [rows, cols] tile as n planes [rows / n, cols], plane p holding rows p, p + n, ...: strided
+  loads, so that every butterfly stage pairs whole planes (elementwise, no reshape of a tile)."""
+  rows = x_ref.shape[0]
+  return [common.as_i32(x_ref[pl.ds(p, rows // n, stride=n), :].astype(jnp.float32)) for p in range(n)]
+
+
 def _amax_kernel(w_ref, x_ref, o_ref, *, cfg: AmaxConfig):
   """max |rotated x| float32 bits of one tile (NaN/Inf patterns above all finite ones), in all 16 slots."""
-  bits = tile_bits(x_ref, cfg.axis)
-  if cfg.transform is not None:
-    bits = common.butterfly([bits], hadamard.KINDS[cfg.transform].n, common.read_words(w_ref, 0))[0]
-  top = jnp.max(jnp.max(bits & common.F32_ABS, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+  n = hadamard.KINDS[cfg.transform].n if cfg.transform is not None else 1
+  if cfg.axis == 0 and 1 < n <= PLANES_MAX:
+    planes = common.butterfly(_planes(x_ref, n), n, common.read_words(w_ref, 0))
+  else:
+    planes = [tile_bits(x_ref, cfg.axis)]
+    if n > 1:
+      planes = common.butterfly(planes, n, common.read_words(w_ref, 0))
+  bits = functools.reduce(jnp.maximum, [b & common.F32_ABS for b in planes])
+  top = jnp.max(jnp.max(bits, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
   o_ref[...] = jnp.broadcast_to(top, (1, 16))
 
 
