@@ -207,6 +207,15 @@ def test_errors():
     nvfp4.views(x, S("nvfp4_tile"), S("nvfp4_tile"), tile_rows=32, tile=TILE, interpret=True)
 
 
+def test_default_tile_of_the_nvfp4_dy_views():
+  """The nvfp4 route's dY (SR both ways, RHT16 column view) takes its own default tile, [128, 64] by 8 warps:
+  bit for bit the reference there too (2 x 2 programs)."""
+  x = _bf16(INPUTS["heavy"](rng_for("nv dY tile"), (256, 128)))
+  col = S("nvfp4", "sr", transform="rht16")
+  assert nvfp4._pick_tile(*x.shape, "nvfp4", nvfp4._rounding(NV_SR, col), 128) == QuantTile(128, 64, num_warps=8)
+  _check(x, NV_SR, col, seed=5, tile=None)
+
+
 def test_default_tile_for_small_row_tiles():
   x = _bf16(INPUTS["heavy"](np.random.default_rng(12), SHAPE))
   row, col = nvfp4.views(x, S("nvfp4_tile"), S("nvfp4_tile"), tile_rows=32, interpret=True)  # 32 x 32 tiles

@@ -119,7 +119,8 @@ class NvDualConfig:
 
 
 def _pick_tile(m: int, k: int, fmt: str, rounding: str, tile_rows: int) -> QuantTile:
-  """`tiling.default_tile`, or the smallest tile when the default does not divide "nvfp4_tile"'s row tiles."""
+  """`tiling.default_tile` for `rounding` (`_rounding`), or the smallest tile when the default does not divide
+  "nvfp4_tile"'s row tiles."""
   tile = default_tile(m, k, BLOCK, rounding)
   if fmt == "nvfp4_tile" and (tile_rows % tile.block_m or tile_rows % tile.block_k):
     tile = QuantTile(32, 32, num_warps=4)
@@ -365,7 +366,9 @@ def check(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
 
 
 def _rounding(row: OperandSpec, col: OperandSpec) -> str:
-  return "sr" if "sr" in (row.rounding, col.rounding) else "rne"
+  """The kind of tile (`tiling.default_tile`) that suits the launch: "sr transform", "sr" or "rne"."""
+  kind = "sr" if "sr" in (row.rounding, col.rounding) else "rne"
+  return "sr transform" if kind == "sr" and col.transform is not None else kind
 
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
