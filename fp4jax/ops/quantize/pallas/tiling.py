@@ -39,7 +39,8 @@ _CANDIDATES = {
     "sr": (QuantTile(32, 128, num_warps=4), QuantTile(64, 64, num_warps=4)) + _SMALL,
     # Column view with a Hadamard transform.
     "transform": (QuantTile(64, 128, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
-    # NVFP4, SR with a Hadamard column view (the nvfp4 route's dY): 64 x 128 tiles ran 1.6-1.8x slower there.
+    # NVFP4, SR with a Hadamard column view (the nvfp4 route's dY): the fastest of 8 tiles on the H200; 64 x 128
+    # ("transform"'s choice for MXFP4) took 1.9-2.0x as long (docs/BENCHMARKS.md, 2026-12-04).
     "sr transform": (QuantTile(128, 64, num_warps=8), QuantTile(32, 64, num_warps=4)) + _SMALL,
 }
 
