@@ -44,3 +44,21 @@ def test_planes_rotate_every_element_like_hadamard(transform):
       amax.common.sign_words(transform, TKEY), x)
   want = jax.lax.bitcast_convert_type(hadamard(x, transform, axis=0, key=TKEY), jnp.int32)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("transform,axis", [("rht16", 0), ("h32", 0), ("rht128", 1), (None, 0)])
+def test_with_plain_also_returns_the_amax_of_x(transform, axis):
+  """One pass gives the rotated amax and the plain one (the nvfp4 route's X and dY: row view plain, column view
+  rotated), each bit for bit; the plain max sits in another tile than the rotated one's largest value."""
+  rng = rng_for("plain", transform, axis)
+  y = np.asarray(INPUTS["heavy"](rng, (256, 128)), np.float32)
+  y[200, 100] = 3.0e30  # a lone outlier above the rest: rotation spreads it, so the two amaxes differ
+  x = jnp.asarray(y, jnp.bfloat16)
+  rotated, plain = amax.rotated_amax(x, transform, TKEY, axis=axis, with_plain=True, interpret=True)
+  assert bits(rotated) == bits(amax.rotated_amax(x, transform, TKEY, axis=axis, interpret=True))
+  assert bits(plain) == bits(amax.bf16_amax(x)) == bits(jnp.float32(x[200, 100]))
+  if transform is not None:
+    assert bits(rotated) != bits(plain)
+  y[3, 5] = np.nan
+  assert all(np.isnan(a) for a in amax.rotated_amax(jnp.asarray(y, jnp.bfloat16), transform, TKEY, axis=axis,
+                                                     with_plain=True, interpret=True))

@@ -10,6 +10,9 @@ bit. Along the rows of a tile (the column views, axis 0) with a transform of up 
 is loaded as one strided plane per row of a Hadamard block, so every butterfly stage is elementwise between
 planes; the reshaping form (each stage a [rows/2e, 2, e * cols] regrouping) ran 3.4-6.0x slower on the H200
 (rht16: 1015 -> 168 us at 16384 x 16384, about the 132 us of the plain amax; docs/BENCHMARKS.md, 2026-12-04).
+`with_plain=True` also returns the amax of x itself from the same loaded tiles: an NVFP4 launch whose row view
+is plain and whose column view is rotated (the nvfp4 route's X and dY) then reads x twice (this pass, the
+kernel) instead of three times (an XLA reduction besides).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class AmaxConfig:
   transform: str | None
   rows: int
   cols: int
+  plain: bool = False  # also the max of |x| before the transform (`rotated_amax(..., with_plain=True)`)
   num_warps: int = 4
   interpret: bool = False
 
@@ -59,22 +63,32 @@ def _planes(x_ref, n: int) -> list[jax.Array]:
   return [common.as_i32(x_ref[pl.ds(p, rows // n, stride=n), :].astype(jnp.float32)) for p in range(n)]
 
 
-def _amax_kernel(w_ref, x_ref, o_ref, *, cfg: AmaxConfig):
-  """max |rotated x| float32 bits of one tile (NaN/Inf patterns above all finite ones), in all 16 slots."""
-  n = hadamard.KINDS[cfg.transform].n if cfg.transform is not None else 1
-  if cfg.axis == 0 and 1 < n <= PLANES_MAX:
-    planes = common.butterfly(_planes(x_ref, n), n, common.read_words(w_ref, 0))
-  else:
-    planes = [tile_bits(x_ref, cfg.axis)]
-    if n > 1:
-      planes = common.butterfly(planes, n, common.read_words(w_ref, 0))
+def _top(planes: list[jax.Array]) -> jax.Array:
+  """[1, 1] max of |bits| over every plane (NaN/Inf patterns above all finite ones)."""
   bits = functools.reduce(jnp.maximum, [b & common.F32_ABS for b in planes])
-  top = jnp.max(jnp.max(bits, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
-  o_ref[...] = jnp.broadcast_to(top, (1, 16))
+  return jnp.max(jnp.max(bits, axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def _amax_kernel(w_ref, x_ref, o_ref, *, cfg: AmaxConfig):
+  """max |rotated x| float32 bits of one tile in the 16 slots of o_ref, or (`cfg.plain`) in slots 0-7 and the
+  max |x| of the tile as loaded in slots 8-15."""
+  n = hadamard.KINDS[cfg.transform].n if cfg.transform is not None else 1
+  planes = _planes(x_ref, n) if cfg.axis == 0 and 1 < n <= PLANES_MAX else [tile_bits(x_ref, cfg.axis)]
+  plain = _top(planes) if cfg.plain else None
+  if n > 1:
+    planes = common.butterfly(planes, n, common.read_words(w_ref, 0))
+  top = jnp.broadcast_to(_top(planes), (1, 16))
+  if cfg.plain:
+    top = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1) < 8, top, jnp.broadcast_to(plain, (1, 16)))
+  o_ref[...] = top
+
+
+def _to_amax(top: jax.Array) -> jax.Array:
+  return jnp.where(top >= common.F32_INF, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(top, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array:
+def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array | tuple[jax.Array, jax.Array]:
   length, other = x.shape if cfg.axis == 0 else x.shape[::-1]
   grid = (length // cfg.rows, other // cfg.cols)
   block = (cfg.rows, cfg.cols) if cfg.axis == 0 else (cfg.cols, cfg.rows)
@@ -93,8 +107,10 @@ def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array:
       interpret=cfg.interpret,
       name=AMAX_KERNEL_NAME,
   )(words, x)
-  top = jnp.max(tops)
-  return jnp.where(top >= common.F32_INF, jnp.float32(jnp.nan), jax.lax.bitcast_convert_type(top, jnp.float32))
+  if not cfg.plain:
+    return _to_amax(jnp.max(tops))
+  slots = tops.reshape(-1, 16)
+  return _to_amax(jnp.max(slots[:, 0])), _to_amax(jnp.max(slots[:, 8]))
 
 
 def _fit(size: int, options: tuple[int, ...], at_least: int = 1) -> int | None:
@@ -102,9 +118,10 @@ def _fit(size: int, options: tuple[int, ...], at_least: int = 1) -> int | None:
 
 
 def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = None, *, axis: int = 0,
-                 interpret: bool = False) -> jax.Array:
+                 with_plain: bool = False, interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`reference._amax(hadamard(x, transform, axis=axis, key=key))` (of x itself for transform None) from one
-  Pallas pass over a 2-D x: float32, NaN if anything is non-finite. Both dims must be multiples of 16."""
+  Pallas pass over a 2-D x: float32, NaN if anything is non-finite. Both dims must be multiples of 16.
+  with_plain: returns (that amax, `bf16_amax(x)`), both from the one pass."""
   if x.ndim != 2:
     raise ValueError(f"rotated_amax takes a 2-D x, got {x.shape=}")
   n = hadamard.KINDS[transform].n if transform is not None else 1
@@ -113,7 +130,8 @@ def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = No
   if rows is None or cols is None:
     raise ValueError(f"rotated_amax needs dims that are multiples of 16 (and of the transform size along "
                      f"{axis=}): {x.shape=}, {transform=}")
-  return _amax_call(x, common.sign_words(transform, key), AmaxConfig(axis, transform, rows, cols, interpret=interpret))
+  cfg = AmaxConfig(axis, transform, rows, cols, plain=with_plain, interpret=interpret)
+  return _amax_call(x, common.sign_words(transform, key), cfg)
 
 
 def _bf16_abs_bits(x: jax.Array) -> jax.Array:

@@ -14,7 +14,8 @@ Two passes over x, with an explicit synchronisation between them:
      tensor (or row tile), so the amax is a separate reduction that completes before the kernel starts: one
      integer max of x's bf16 |bit patterns| (NaN if any element is NaN or Inf, as `reference._amax`; for
      "nvfp4_tile" one reduction to a grid of tile maxima serving both views; a Hadamard column view needs the
-     amax of the rotated values: `amax.rotated_amax`, a Pallas pass with the kernel's butterfly). A caller
+     amax of the rotated values: `amax.rotated_amax`, a Pallas pass with the kernel's butterfly, which also
+     returns the row view's plain amax from the same read). A caller
      may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
      is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
      rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
@@ -382,7 +383,8 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   axis 0 (of `hadamard(x, col.transform, axis=0, key=col_keys.transform)` with a transform). With 2-D tiles
   and "nvfp4" both views hold the same codes, computed once. `tensor_amax` ("nvfp4", no transform): a
   precomputed amax; else `amax.bf16_amax(x)` runs first (one XLA reduction). A transformed column view's amax
-  comes from a first Pallas pass that runs the same butterfly (`amax.rotated_amax`). `write` (row, column):
+  comes from a first Pallas pass that runs the same butterfly (`amax.rotated_amax`), and so does the row view's
+  then (the same pass, `with_plain`). `write` (row, column):
   the views to compute, None in place of the other (`common.ROW`, `common.COLUMN`: one operand, half the
   kernel's work, and only the amax pass that view reads). Raises NotImplementedError where `check` does;
   `interpret=True` runs the kernels in Pallas interpret mode (CPU).
@@ -405,13 +407,13 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   write_row, write_col = write
   if fmt in _GLOBAL:
     rotated = transform is not None and write_col
-    amax = None
-    if write_row or not rotated:
-      amax = amax_lib.bf16_amax(x) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
-    row_amax = col_amax = amax
-    if rotated:  # the rotated view's own amax: a Pallas pass with the same butterfly first
-      col_amax = amax_lib.rotated_amax(x, transform, col_keys.transform, axis=0, interpret=interpret)
-      row_amax = col_amax if amax is None else amax  # a view not written: any parameters will do
+    if rotated:  # the rotated view's own amax (and the row view's, from the same read): a Pallas pass first
+      amaxes = amax_lib.rotated_amax(x, transform, col_keys.transform, axis=0, with_plain=write_row,
+                                     interpret=interpret)
+      col_amax, row_amax = amaxes if write_row else (amaxes, amaxes)  # a view not written: any parameters do
+    else:
+      row_amax = col_amax = (amax_lib.bf16_amax(x) if tensor_amax is None else
+                             jnp.asarray(tensor_amax, jnp.float32).reshape(()))
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = _view_params((row_amax, col_amax), (row.rounding, col.rounding),
