@@ -102,6 +102,9 @@ def _scale_rows_and_columns(acc: jax.Array, ra: jax.Array, rb: jax.Array) -> jax
 
 # float32 [256, 2]: the E2M1 values of a packed byte's low (even element) and high nibble.
 _E2M1_PAIRS = np.array(E2M1_SIGNED_VALUES, np.float32)[np.stack([np.arange(256) & 15, np.arange(256) >> 4], -1)]
+# float32 [256]: the value of each E4M3 scale byte (NaN for 0x7F / 0xFF), decoded by NumPy's float8 type, which
+# rounds nothing (`ieee.e4m3_bits_to_f32` gives the same values: tests/ops/gemm/test_gemm_fp8.py).
+E4M3_SCALES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
 
 
 def _bf16_values(q: QTensor) -> jax.Array:
@@ -110,13 +113,19 @@ def _bf16_values(q: QTensor) -> jax.Array:
   The E2M1 values come from a lookup of each packed byte (`_E2M1_PAIRS`), not XLA's float4 -> float32
   conversion: the same numbers, in the form that ran twice as fast as the arithmetic ones for the MXFP4 ->
   E4M3 re-encode on the H200 (`numerics.fp8._encode_e4m3`). This pass alone is not timed; the nvfp4 step of 12
-  Llama-3-8B blocks went from 429.4 to 420.4 ms with it, within run-to-run noise (docs/BENCHMARKS.md).
+  Llama-3-8B blocks went from 429.4 to 420.4 ms with it, within run-to-run noise (docs/BENCHMARKS.md). E4M3
+  block scales are looked up too (`E4M3_SCALES`): their integer decode (`reference.decode_scales`) is a
+  producer XLA:GPU keeps out of a consumer that reads each scale 16 times, so it ran as a fusion of its own,
+  writing and re-reading float32 scales; the lookup fuses into the dequantization (the compiled H200 program).
   """
   r, k = q.kmajor_shape
   b = q.spec.block
   pairs = jnp.asarray(_E2M1_PAIRS)[q.codes.reshape(r, k // 2).astype(jnp.int32)]  # [R, K/2, 2]
   vals = pairs.reshape(r, k // b, b)
-  scale = decode_scales(q.scales, q.spec)  # [R, K/b] float32
+  if q.spec.scale == "e4m3":
+    scale = jnp.asarray(E4M3_SCALES)[jax.lax.bitcast_convert_type(q.scales, jnp.uint8).astype(jnp.int32)]
+  else:
+    scale = decode_scales(q.scales, q.spec)  # [R, K/b] float32
   return (vals * scale[..., None]).reshape(r, k).astype(jnp.bfloat16)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from bench.dot import abs_codes, cublas_fp8_gemms, gemm_targets, random_qtensor
 from fp4jax.numerics import fp8 as fp8_encoding
+from fp4jax.numerics import ieee
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.reference import decode_scales, quantize
 from fp4jax.ops import gemm as gemm_lib
@@ -183,3 +184,14 @@ def test_bf16_values_lookup_equals_the_float4_conversion(fmt):
   got = gemm_fp8._bf16_values(q)
   np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
                                 np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
+
+
+def test_e4m3_scale_table_is_the_bit_decode():
+  """Every byte's entry of the NVFP4 dequantization's scale table equals `ieee.e4m3_bits_to_f32` bit for bit
+  (NaN for 0x7F and 0xFF, subnormals, both signs)."""
+  want = ieee.e4m3_bits_to_f32(jnp.arange(256, dtype=jnp.uint32))
+  got = jnp.asarray(gemm_fp8.E4M3_SCALES)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  finite = ~np.isnan(np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint32))[finite],
+                                np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint32))[finite])
