@@ -12,7 +12,9 @@ that launched each. `attribute` joins the two; `breakdown` sums the result by ca
                  holds fp4_dot's jitted passes
   optimizer      ops outside the gradient (no jvp/transpose in their name stack): AdamW, the loss's reductions
                  after value_and_grad
-  elementwise    everything else: norms, activations, residuals, softmax, casts, copies
+  elementwise    everything else: norms, activations, residuals, softmax, casts, copy fusions
+  copies         the device's memcpy operations (not kernels): XLA writes a dynamic-update-slice of a contiguous
+                 slice, e.g. a scanned layer's saved value into its stack, as a device-to-device memcpy
   communication  collectives (all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all)
 
 The categories come from the instruction (custom-call target, fusion kind, name stack) where the module text
@@ -24,7 +26,7 @@ from __future__ import annotations
 import collections
 import re
 
-CATEGORIES = ("fp8 gemm", "bf16 gemm", "quantizers", "attention", "fp4 glue", "elementwise", "optimizer",
+CATEGORIES = ("fp8 gemm", "bf16 gemm", "quantizers", "attention", "fp4 glue", "elementwise", "optimizer", "copies",
               "communication")
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -107,11 +109,14 @@ def _op_name(op: str) -> str:
 def attribute(hlo_text: str, events: list[tuple[str, str, float]]) -> dict[tuple[str, str, str], float]:
   """Seconds per (category, hlo_op, kernel) of `events`: an event's category is its instruction's in the compiled
   module's text; events whose instruction the text lacks fall back to their kernel's name (`_kernel_category`),
-  else "unattributed". What `breakdown` and `top_kernels` summarize."""
+  else "unattributed"; memcpy events are "copies". What `breakdown` and `top_kernels` summarize."""
   kinds = categorize(hlo_text)
   out: dict[tuple[str, str, str], float] = collections.defaultdict(float)
   for op, kernel, seconds in events:
-    category = kinds.get(_op_name(op)) or _kernel_category(kernel) or "unattributed"
+    if kernel.lower().startswith("memcpy"):  # a copy engine's event (MemcpyD2D, ...), whatever launched it
+      category = "copies"
+    else:
+      category = kinds.get(_op_name(op)) or _kernel_category(kernel) or "unattributed"
     out[(category, op, kernel)] += seconds
   return out
 

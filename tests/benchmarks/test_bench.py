@@ -296,9 +296,11 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
                    "pallas_call.3": "quantizers", "all-reduce.1": "communication", "loop_fusion.4": "fp4 glue",
                    "loop_fusion.5": "optimizer", "loop_fusion.6": "elementwise"}
   events = [("fp8", "nvjet_qqtst", 2.0), ("%gemm.2", "sm90_xmma_gemm_bf16", 1.0), ("loop_fusion.5", "k", 0.5),
-            ("other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25), ("other.2", "mystery_kernel", 0.125)]
+            ("other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25), ("other.2", "mystery_kernel", 0.125),
+            ("loop_fusion.4", "MemcpyD2D", 0.0625), ("dynamic-update-slice.9", "MemcpyD2D", 0.0625)]
   seconds, top = breakdown.breakdown(breakdown.attribute(_MODULE, events))
   assert seconds["fp8 gemm"] == 2.25 and seconds["bf16 gemm"] == 1.0 and seconds["optimizer"] == 0.5
+  assert seconds["copies"] == 0.125 and seconds["fp4 glue"] == 0.0
   assert seconds["unattributed"] == 0.125 and top == [("other.2", "mystery_kernel", 0.125)]
   assert set(seconds) == {*breakdown.CATEGORIES, "unattributed"}
   events += [("fp8", "nvjet_qqtst", 1.0)]  # a second launch of the same kernel adds to its total
