@@ -49,7 +49,7 @@ def test_planes_rotate_every_element_like_hadamard(transform):
 @pytest.mark.parametrize("transform,axis", [("rht16", 0), ("h32", 0), ("rht128", 1), (None, 0)])
 def test_with_plain_also_returns_the_amax_of_x(transform, axis):
   """One pass gives the rotated amax and the plain one (the nvfp4 route's X and dY: row view plain, column view
-  rotated), each bit for bit; the plain max sits in another tile than the rotated one's largest value."""
+  rotated), each bit for bit; a lone outlier makes the two differ, so slots read the wrong way round fail."""
   rng = rng_for("plain", transform, axis)
   y = np.asarray(INPUTS["heavy"](rng, (256, 128)), np.float32)
   y[200, 100] = 3.0e30  # a lone outlier above the rest: rotation spreads it, so the two amaxes differ
