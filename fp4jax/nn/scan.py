@@ -10,6 +10,10 @@ stacks too. A residual that is one of the layer's inputs (a parameter slice, an 
 is not stored: the backward takes it from where the forward did. Each layer's forward and backward are the computations a
 `lax.scan` would run, with the same numbers (tests/nn/test_scan.py).
 
+`read_as` casts each layer's parameter slice inside the loop (float32 master weights read as the bf16 their
+products use): no cast copy of the whole stack is made or kept, and the loop's parameter gradients are stacked
+in the dtype the layers read, converted to the stack's dtype once at the end.
+
 Limits: reverse-mode only (no `jax.jvp` through it, as for any `custom_vjp`); invariants get no gradient.
 """
 
@@ -53,6 +57,10 @@ def _slice(tree: Any, i: jax.Array) -> Any:
   return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), tree)
 
 
+def _cast(leaves: list[Any], dtypes: list[Any]) -> list[Any]:
+  return [x if d is None else x.astype(d) for x, d in zip(leaves, dtypes)]
+
+
 def _write(stacks: list[jax.Array], values: list[jax.Array], i: jax.Array) -> list[jax.Array]:
   return [jax.lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
 
@@ -66,19 +74,24 @@ def _no_gradient(x: Any) -> np.ndarray:
 
 
 def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invariants: Any = (), *,
-               first_layer: int = 0) -> jax.Array:
+               first_layer: int = 0, read_as: Callable[[Any, jax.Array], Any] | None = None) -> jax.Array:
   """h through L layers, h = body(h, params_l, invariants, layer) for l in range(L), where params_l is slice l
   of each leaf of `stacked` ([L, ...]) and `layer` = first_layer + l (a traced int32). Returns the last h.
 
   Differentiable in h and `stacked`; `invariants` (positions, a random key, ...) are passed to every layer
   and not differentiated, so they must be integer, boolean or key arrays (a TypeError otherwise). Each layer
-  saves what `jax.vjp(body)` keeps: wrap `body` in `jax.checkpoint` with a policy to choose what that is."""
+  saves what `jax.vjp(body)` keeps: wrap `body` in `jax.checkpoint` with a policy to choose what that is.
+  `read_as(path, leaf)`: the dtype `body` reads a leaf of `stacked` in (module docstring), or None for its own;
+  `path` is the leaf's key path in `stacked`."""
   floats = [x for x in jax.tree.leaves(invariants) if _differentiable(x)]
   if floats:
     raise TypeError(f"run_layers: invariants get no gradient, so they take integer, boolean or key arrays; got "
                     f"{', '.join(str(jax.typeof(x)) for x in floats)} (pass a differentiable value in `stacked`, "
                     f"or close over it in `body` if it is a constant)")
   length = jax.tree.leaves(stacked)[0].shape[0]
+  with_paths, params_tree = jax.tree_util.tree_flatten_with_path(stacked)
+  dtypes = [None if read_as is None else read_as(path, x) for path, x in with_paths]
+  read = lambda tree, i: jax.tree.unflatten(params_tree, _cast(params_tree.flatten_up_to(_slice(tree, i)), dtypes))
   # One layer's VJP structure and leaf sources, set while tracing the forward, read by the backward's trace.
   plan: dict[str, Any] = {}
 
@@ -95,16 +108,16 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
 
   @jax.custom_vjp
   def run(h, stacked, invariants):
-    step = lambda i, h: body(h, _slice(stacked, i), invariants, first_layer + i)
+    step = lambda i, h: body(h, read(stacked, i), invariants, first_layer + i)
     return jax.lax.fori_loop(0, length, step, h)
 
   def forward(h, stacked, invariants):
     first = jnp.int32(first_layer)  # traced, as in the loop, so that the same residuals are kept
-    avals = jax.eval_shape(lambda *a: layer(*a)[1], h, _slice(stacked, 0), invariants, first)
+    avals = jax.eval_shape(lambda *a: layer(*a)[1], h, read(stacked, 0), invariants, first)
 
     def step(i, carry):
       h, stacks = carry
-      h, stored = layer(h, _slice(stacked, i), invariants, first_layer + i)
+      h, stored = layer(h, read(stacked, i), invariants, first_layer + i)
       return h, _write(stacks, stored, i)
 
     stacks = [jax.lax.empty((length, *a.shape), a.dtype) for a in avals]
@@ -113,22 +126,22 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
 
   def backward(residuals, g):
     stacks, stacked, invariants = residuals
-    params, params_tree = jax.tree.flatten(stacked)
+    params = params_tree.flatten_up_to(stacked)
     trained = [_differentiable(x) for x in params]
 
     def step(k, carry):
       g, grads = carry
       i = length - 1 - k
-      origin = {"stored": _slice(stacks, i), "param": _slice(params, i), "invariant": jax.tree.leaves(invariants),
-                "layer": [first_layer + i]}
+      origin = {"stored": _slice(stacks, i), "param": _cast(_slice(params, i), dtypes),
+                "invariant": jax.tree.leaves(invariants), "layer": [first_layer + i]}
       leaves = [s.index if s.kind == "static" else origin[s.kind][s.index] for s in plan["sources"]]
       g, d_params = jax.tree.unflatten(plan["treedef"], leaves)(g)
       return g, _write(grads, [d for d, t in zip(jax.tree.leaves(d_params), trained) if t], i)
 
-    grads = [jax.lax.empty(x.shape, x.dtype) for x, t in zip(params, trained) if t]
+    grads = [jax.lax.empty(x.shape, d or x.dtype) for x, d, t in zip(params, dtypes, trained) if t]
     g, grads = jax.lax.fori_loop(0, length, step, (g, grads))
     grads = iter(grads)
-    d_stacked = [next(grads) if t else _no_gradient(x) for x, t in zip(params, trained)]
+    d_stacked = [next(grads).astype(x.dtype) if t else _no_gradient(x) for x, t in zip(params, trained)]
     return g, jax.tree.unflatten(params_tree, d_stacked), jax.tree.map(_no_gradient, invariants)
 
   run.defvjp(forward, backward)

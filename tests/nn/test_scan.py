@@ -103,3 +103,30 @@ def test_run_layers_refuses_differentiable_invariants():
   h, stacked, _ = _inputs()
   with pytest.raises(TypeError, match=r"invariants get no gradient.*float32\[6\]"):
     scan.run_layers(_body, h, stacked, (jnp.ones(B), jax.random.key(0)))
+
+
+def test_read_as_casts_each_slice_in_the_loop():
+  """`read_as`: a float32 stack read as bf16 gives the numbers of the bf16 stack passed in (its cast's gradient,
+  converted), with the loop's weight-gradient stack kept in bf16 and returned in float32 for the float32 stack."""
+  h, stacked, invariants = _inputs()
+  master = dict(stacked, w=stacked["w"].astype(jnp.float32))  # exact: the bf16 weights as float32 masters
+
+  def value_and_grads(stack, read_as=None):
+    def loss(h, stack):
+      return jnp.sum(scan.run_layers(_body, h, stack, invariants, first_layer=3, read_as=read_as) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), allow_int=True))(h, stack)
+
+  read_w = lambda path, x: jnp.bfloat16 if path[-1].key == "w" else None
+  (value, (dh, grads)), (value_ref, (dh_ref, grads_ref)) = value_and_grads(master, read_w), value_and_grads(stacked)
+  assert value == value_ref
+  np.testing.assert_array_equal(dh, dh_ref)
+  assert grads["w"].dtype == jnp.float32 and grads_ref["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(grads["w"], grads_ref["w"].astype(jnp.float32))
+  np.testing.assert_array_equal(grads["b"], grads_ref["b"])
+  # The weight-gradient stack the backward allocates is bf16, what the layers read, not the stack's float32
+  # (saving z only: no weight is stored for the backward either).
+  saved_z = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("z"))
+  jaxpr = jax.make_jaxpr(jax.grad(lambda s: jnp.sum(scan.run_layers(saved_z, h, s, invariants, read_as=read_w)),
+                                  allow_int=True))(master)
+  empties = [e.outvars[0].aval.str_short(short_dtypes=True) for e in jaxpr.eqns if e.primitive.name == "empty"]
+  assert f"bf16[{L},{D},{D}]" in empties and f"f32[{L},{D},{D}]" not in empties, empties
