@@ -62,6 +62,13 @@ def _fingerprint(tree: Any) -> tuple[jax.Array, jax.Array]:
   return digest, finite
 
 
+def _layout(tree: Any) -> dict[str, tuple[int, ...]]:
+  """{dotted key path: shape} of the arrays (or array metadata) of a pure state tree; keys as strings, since
+  Orbax's metadata names list entries "0", "1", ..."""
+  return {".".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+
+
 def state_digest(state_dict: Any) -> tuple[str, bool]:
   """(hex digest of the arrays' bits, all finite) of a pure state dict."""
   digest, finite = _fingerprint(state_dict)
@@ -76,7 +83,7 @@ class Checkpointer:
     self.log = log
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
-        item_names=("state", "data"))
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -120,6 +127,7 @@ class Checkpointer:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
     damaged: list[tuple[int, str]] = []
     for step in steps:
+      self._check_layout(target, step)
       problem, out = self._problem(target, step)
       if problem is None:
         break
@@ -135,6 +143,24 @@ class Checkpointer:
     nnx.replace_by_pure_dict(state, out["state"])
     data_state = {k: v for k, v in out["data"].items() if k != DIGEST_KEY}
     return state, data_state, step
+
+  def _check_layout(self, target: Any, step: int) -> None:
+    """A UserError when `step` holds other arrays (names or shapes) than `target`: a state saved by another model
+    layout, which restoring would report as damage and move aside. Unreadable metadata is left to `_problem`."""
+    try:
+      saved = _layout(getattr(tree := self._mgr.item_metadata(step)["state"], "tree", tree))
+    except Exception:  # pylint: disable=broad-except  # damaged metadata fails in many Orbax ways
+      return
+    want = _layout(target)
+    if not saved or saved == want:
+      return
+    differ = ([f"{k} only in the checkpoint" for k in saved if k not in want][:2]
+              + [f"{k} only in this run's model" for k in want if k not in saved][:2]
+              + [f"{k}: {saved[k]} saved, {want[k]} now" for k in want if k in saved and saved[k] != want[k]][:2])
+    raise UserError(f"checkpoint step {step} in {self.directory} holds another state layout than this run's model "
+                    f"({'; '.join(differ)}): it was saved with other model settings or by an older fp4jax (since "
+                    f"2026-12-04 scanned blocks are saved stacked, stacks.*, unrolled ones per layer, layers.*); "
+                    f"nothing was changed there: use another run.out_dir, or the settings it was saved with")
 
   def _set_aside(self, steps: list[int]) -> None:
     """Moves damaged steps out of the manager's directory (kept for inspection, never reused)."""

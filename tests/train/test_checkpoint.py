@@ -99,3 +99,20 @@ def test_data_state_is_saved_as_it_was_when_save_returned(tmp_path):
   ckpt.close()
   _, data, step = checkpoint.Checkpointer(str(tmp_path / "ckpt")).restore(_state(2))
   assert step == 4 and data["loss_window"] == [4.0]
+
+
+def test_a_state_of_another_layout_is_refused_untouched(tmp_path):
+  """A checkpoint whose arrays differ in name or shape from the model's (another layout: scanned blocks stacked,
+  unrolled ones per layer) is not damage: one line says so, and no step is moved aside or replaced."""
+  directory = str(tmp_path / "ckpt")
+  _save_two(directory)
+  other = nnx.state((model := nnx.Linear(256, 128, rngs=nnx.Rngs(0)),
+                     nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))
+  ckpt = checkpoint.Checkpointer(directory, log=io.StringIO())
+  with pytest.raises(UserError, match=r"checkpoint step 2 in .* holds another state layout than this run's model "
+                                      r"\(.*kernel: \(256, 256\) saved, \(256, 128\) now.*nothing was changed"):
+    ckpt.restore(other)
+  ckpt.close()
+  assert checkpoint.saved_steps(directory) == [1, 2] and not os.path.exists(directory + "-damaged")
+  restored, data, step = checkpoint.Checkpointer(directory).restore(_state(3))
+  assert step == 2 and data == {"position": 2}
