@@ -54,7 +54,10 @@ def convert(model: nnx.Module) -> int:
   """Turns every FP4Linear of `model.layers` (the blocks: the lm_head stays bf16 as in every route) into a
   FlaxFp8Linear with fresh state (scales 1, empty histories, as Flax initializes them); returns how many.
 
-  Needs a bf16 model with unfused linears (`LlamaConfig.fuse_linears=False`): raises ValueError otherwise."""
+  Needs a bf16 model with unfused linears (`LlamaConfig.fuse_linears=False`) and unrolled blocks (a scanned
+  model holds its blocks stacked, `Llama.stacks`): raises ValueError otherwise."""
+  if getattr(model, "scan_layers", False):
+    raise ValueError(f"{NAME} converts the linears of unrolled blocks: build the model with scan_layers=False")
   converted = 0
   for path, module in nnx.iter_graph(model.layers):
     where = ".".join(map(str, ("layers", *path)))

@@ -105,8 +105,8 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
                fuse_linears: bool = True, microbatches: int = 1) -> LlamaStep:
   """The train step of a Llama preset with `route` on its blocks' linears: cross-entropy, backward (in
   `microbatches` sequential passes) and AdamW as `python -m train` does. `scan`: `Llama`'s `scan_layers` (True,
-  False, or "auto": scanned where the blocks' linears quantize; not for flax_fp8, whose linears are bf16 ones
-  converted to Flax's FP8 op)."""
+  False, or "auto": scanned where the blocks' linears quantize; flax_fp8, whose linears are bf16 ones converted
+  to Flax's FP8 op, always runs them unrolled)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
@@ -116,6 +116,7 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
   if batch % microbatches:
     raise UserError(f"bench step: the batch of {batch} sequences does not split into --microbatches "
                     f"{microbatches} equal passes")
+  scan = False if flax else scan  # Flax's FP8 state is per linear of unrolled blocks (`flax_fp8.convert`)
   if flax and microbatches > 1:
     raise UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); "
                     f"drop --microbatches")

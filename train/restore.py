@@ -51,13 +51,17 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   route / scan_layers: build the model with this route (every block; the parameters are the same whatever the
   route) or this `model.scan_layers` instead of the run's; None keeps the run's. Diagnostics take route "bf16"
   (exact activations and gradients to quantize) and scan_layers False (`capture_linears` probes unrolled
-  blocks). Raises UserError when `run_dir` holds no config.yaml or no checkpoint (a run with run.ckpt_every = 0
-  saves one at its last step only)."""
+  blocks). The checkpoint is restored into the run's own model, whose layout it was saved in (a scanned run
+  holds its blocks stacked, `fp4jax.nn.llama.model`), then copied into the one asked for (`copy_params`).
+  Raises UserError when `run_dir` holds no config.yaml or no checkpoint (a run with run.ckpt_every = 0 saves
+  one at its last step only)."""
+  from fp4jax.nn.llama.model import copy_params  # pylint: disable=g-import-not-at-top
   path = os.path.join(run_dir, "config.yaml")
   if not os.path.isfile(path):
     raise UserError(f"{run_dir} is not a run directory of python -m train (no config.yaml there); in compare mode "
                     f"each route has its own, <run.out_dir>/<route>/")
-  cfg = config_lib.from_dict(config_lib.read_yaml(path))
+  saved = config_lib.from_dict(config_lib.read_yaml(path))
+  cfg = saved
   if route is not None:
     cfg = config_lib.replace(cfg, route=route, rules={"bf16_first": 0, "bf16_last": 0, "extra": ()})
   if scan_layers is not None:
@@ -67,11 +71,16 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
     raise UserError(f"{run_dir} has no checkpoint under ckpt/: the run has not saved one yet (run.ckpt_every, or "
                     f"its last step)")
   tok = train.preflight(cfg)
-  ts = train.init_train_state(cfg, tok.vocab_size, train.check_mesh(cfg))
+  ts = train.init_train_state(saved, tok.vocab_size, train.check_mesh(saved))
   ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
   try:
     ts.state, _, step = ckpt.restore(ts.state)
   finally:
     ckpt.close()
   model, _ = nnx.merge(ts.graphdef, ts.state)
+  if cfg != saved:
+    lcfg = train.llama_config(cfg, tok.vocab_size)
+    wanted = nnx.eval_shape(lambda: train.build_model(cfg, lcfg))  # every parameter is copied in below
+    copy_params(model, wanted)
+    model = wanted
   return TrainedRun(model, cfg, step)

@@ -180,11 +180,11 @@ def lr_schedule(o: config_lib.OptimConfig, steps: int) -> optax.Schedule:
 
 
 def make_tx(o: config_lib.OptimConfig, steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW; weight decay only on matrices (not norm scales)."""
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Global-norm clipping, then AdamW; weight decay only on matrices (not norm scales, stacked or not)."""
+  from fp4jax.nn.llama.model import weight_decay_mask
   return optax.chain(
       optax.clip_by_global_norm(o.clip_norm),
-      optax.adamw(lr_schedule(o, steps), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask))
+      optax.adamw(lr_schedule(o, steps), b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=weight_decay_mask))
 
 
 def cross_entropy(model, batch: jax.Array, key: jax.Array) -> jax.Array:

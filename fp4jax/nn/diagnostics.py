@@ -77,8 +77,8 @@ def capture_linears(model: Llama, tokens: jax.Array, key: jax.Array | None = Non
   """x [M, K], w [K, N] and dy [M, N] (float32) of the chosen linears of `model` on `tokens`.
 
   Args:
-    model: an `fp4jax.nn.llama.Llama` with `scan_layers=False` (a scanned run rebuilds its blocks inside the
-      scan, out of reach of the probes).
+    model: an `fp4jax.nn.llama.Llama` with `scan_layers=False` (a scanned model runs its stacked blocks inside
+      a loop, out of reach of the probes; `fp4jax.nn.llama.model.copy_params` gives an unrolled copy).
     tokens: [B, T + 1] int token ids: the model reads tokens[:, :-1] and the loss is the mean cross-entropy of
       its logits against tokens[:, 1:].
     key: the model's step key (keyed routes).

@@ -7,12 +7,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from fp4jax.nn import RouteRules, linear
 from fp4jax.nn.llama import PRESETS, Llama, Llama3RopeScaling, LlamaConfig
-from fp4jax.nn.llama import layers
+from fp4jax.nn.llama import layers, model as model_lib
 from fp4jax.nn.llama.model import SCAN_POLICIES
 
 TINY = LlamaConfig.preset("tiny")
@@ -230,6 +231,53 @@ def test_sharding_specs_place_on_a_mesh(bf16_model):
   assert placed["embed"]["embedding"].sharding.spec == P("fsdp", None)
 
 
+def test_stacked_and_unrolled_layouts_hold_the_same_parameters():
+  """A scanned model holds each run of same-route blocks stacked ([L_g, ...], `stacks.{g}`), initialized as the
+  unrolled model (`layers.{i}`); the two convert into each other bit for bit, also between other route groups."""
+  config = dataclasses.replace(TINY, n_layers=4)
+  rules = RouteRules.standard("mxfp4", n_layers=4, bf16_first=1, bf16_last=1)
+  unrolled = Llama(config, rules=rules, rngs=nnx.Rngs(0))
+  scanned = Llama(config, rules=rules, rngs=nnx.Rngs(0), scan_layers=True)
+  groups = scanned.block_groups
+  assert groups == (range(0, 1), range(1, 3), range(3, 4)) and scanned.routes() == unrolled.routes()
+  per_layer, stacked = (nnx.to_pure_dict(nnx.state(m)) for m in (unrolled, scanned))
+  assert "stacks" not in per_layer and "layers" not in stacked
+  assert stacked["stacks"][1]["mlp"]["down"]["kernel"].shape == (2, TINY.ffn_dim, TINY.dim)
+  jax.tree.map(np.testing.assert_array_equal, model_lib.unstacked_params(stacked, groups), per_layer)
+  jax.tree.map(np.testing.assert_array_equal, model_lib.stacked_params(per_layer, groups), stacked)
+  # copy_params: into a model of other rules (bf16 everywhere: one group of 4) and back into an unrolled one.
+  one_run = Llama(config, rules=RouteRules.standard("bf16", n_layers=4), rngs=nnx.Rngs(1), scan_layers=True)
+  back = Llama(config, rules=rules, rngs=nnx.Rngs(2))
+  model_lib.copy_params(scanned, one_run)
+  model_lib.copy_params(one_run, back)
+  assert one_run.block_groups == (range(0, 4),)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(back)), per_layer)
+  with pytest.raises(ValueError, match="copy_params needs two models of one config"):
+    model_lib.copy_params(scanned, Llama(TINY, rules=RouteRules.standard("bf16", n_layers=TINY.n_layers),
+                                         rngs=nnx.Rngs(0)))
+  # A stacked parameter's layer axis is not sharded; the rest of its spec is the per-layer one.
+  P = jax.sharding.PartitionSpec
+  specs = nnx.get_partition_spec(nnx.state(scanned, nnx.Param))
+  assert specs["stacks"][1]["attn"]["k"]["kernel"].get_value() == P(None, "fsdp", None)
+  assert specs["stacks"][1]["mlp"]["up"]["kernel"].get_value() == P(None, None, "fsdp")
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_weight_decay_reaches_matrices_only_stacked_or_not(scan):
+  # Norm scales, [D] per layer, are [L, D] when stacked: a 2-D leaf that must still not decay.
+  model = Llama(TINY, rules=RouteRules.standard("mxfp4", n_layers=TINY.n_layers), rngs=nnx.Rngs(0),
+                scan_layers=scan)
+  optimizer = nnx.Optimizer(model, optax.adamw(0.1, weight_decay=0.5, mask=model_lib.weight_decay_mask),
+                            wrt=nnx.Param)
+  before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))  # only the decay moves
+  after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  moved = jax.tree_util.tree_map_with_path(lambda path, a, b: (jax.tree_util.keystr(path), bool((a != b).any())),
+                                           before, after)
+  moved = dict(jax.tree.leaves(moved, is_leaf=lambda x: isinstance(x, tuple)))
+  assert moved and all(v == ("kernel" in k or "embedding" in k) for k, v in moved.items()), moved
+
+
 def test_config_validation_and_presets(bf16_model):
   with pytest.raises(ValueError, match="self.n_heads=6 must be a multiple of self.n_kv_heads=4"):
     dataclasses.replace(TINY, dim=96, n_heads=6, n_kv_heads=4)
@@ -255,19 +303,23 @@ def test_scanned_layers_match_unrolled_bit_for_bit(route, groups, saves):
 
   grads = _next_token_grads(tokens)
 
-  results = {}
+  results, models = {}, {}
   for scan in (False, True):
-    model = Llama(config, rules=rules, rngs=nnx.Rngs(0), scan_layers=scan, scan_policy=SCAN_POLICIES[saves])
-    results[scan] = jax.tree.map(np.asarray, grads(model, jax.random.key(3)))
-  assert model._block_groups() == groups
+    models[scan] = Llama(config, rules=rules, rngs=nnx.Rngs(0), scan_layers=scan, scan_policy=SCAN_POLICIES[saves])
+    value, g = grads(models[scan], jax.random.key(3))
+    results[scan] = value, jax.tree.map(np.asarray, nnx.to_pure_dict(g))
+  assert list(models[True].block_groups) == groups
+  assert models[False].block_groups == tuple(range(i, i + 1) for i in range(4))
   (value, g_unrolled), (value_scanned, g_scanned) = results[False], results[True]
   assert value == value_scanned
-  # Same tree (no stacked params leak out), same bits in every gradient leaf.
-  assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_scanned)
-  jax.tree.map(np.testing.assert_array_equal, g_unrolled, g_scanned)
+  # The scanned model holds each group's parameters stacked ([L_g, ...]); split back into layers, the gradients
+  # have the unrolled tree and the same bits in every leaf.
+  assert [s["mlp"]["up"]["kernel"].shape[0] for s in g_scanned["stacks"].values()] == [len(g) for g in groups]
+  g_split = model_lib.unstacked_params(g_scanned, models[True].block_groups)
+  assert jax.tree.structure(g_unrolled) == jax.tree.structure(g_split)
+  jax.tree.map(np.testing.assert_array_equal, g_unrolled, g_split)
   # Each scanned block received its own gradient.
-  assert not np.array_equal(g_scanned["layers"][1]["mlp"]["up"]["kernel"][...],
-                            g_scanned["layers"][2]["mlp"]["up"]["kernel"][...])
+  assert not np.array_equal(g_split["layers"][1]["mlp"]["up"]["kernel"], g_split["layers"][2]["mlp"]["up"]["kernel"])
 
 
 def _scan_residuals(route, saves):
@@ -375,17 +427,27 @@ def test_scan_layers_auto_scans_quantized_blocks_only():
     Llama(TINY, rules=rules("bf16"), rngs=nnx.Rngs(0), scan_layers="yes")
 
 
-def test_scan_stacks_kernels_in_their_compute_dtype():
-  # The float32 master kernels reach a scanned body already cast to bf16 (what their products read): stacking
-  # them in float32 wrote and held twice the bytes every step. Norm scales stay float32.
+def test_scanned_blocks_read_their_stacked_master_weights_as_bf16():
+  # A scanned model's state holds each parameter once, float32 [L, ...]. The loop takes those very arrays (no
+  # cast or stacked copy of them is made per step) and reads each layer's kernel slice as the bf16 its product
+  # uses, so the backward's gradient stacks of kernels are bf16 (half the bytes); norm scales stay float32.
   config = dataclasses.replace(TINY, n_layers=3)
   model = Llama(config, rules=RouteRules.standard("mxfp4", n_layers=3, bf16_first=0, bf16_last=0),
                 rngs=nnx.Rngs(0), scan_layers=True)
   graphdef, state = nnx.split(model)
-  jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(_tokens(), key=jax.random.key(0)))(state)
-  (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "custom_vjp_call"  # fp4jax.nn.scan.run_layers
-              and any(v.aval.shape[:1] == (3,) for v in e.invars)]
-  stacked = sorted(f"{v.aval.dtype}{list(v.aval.shape)}" for v in loop.invars if v.aval.shape[:1] == (3,))
   d, f, kv = TINY.dim, TINY.ffn_dim, TINY.n_kv_heads * TINY.dim // TINY.n_heads
-  assert stacked == sorted([f"bfloat16{[3, d, d]}"] * 2 + [f"bfloat16{[3, d, kv]}"] * 2 + [f"bfloat16{[3, d, f]}"] * 2
-                           + [f"bfloat16{[3, f, d]}"] + [f"float32{[3, d]}"] * 2), stacked
+  kernels = [(3, d, d)] * 2 + [(3, d, kv)] * 2 + [(3, d, f)] * 2 + [(3, f, d)]
+  stack = nnx.state(model.stacks[0])
+  assert sorted(x.shape for x in jax.tree.leaves(stack)) == sorted(kernels + [(3, d)] * 2)
+  assert {x.dtype for x in jax.tree.leaves(stack)} == {np.dtype(np.float32)}
+  loss = lambda s: nnx.merge(graphdef, s)(_tokens(), key=jax.random.key(0)).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(state)
+  sizes = {math.prod(x.shape) for x in jax.tree.leaves(stack)}
+  whole = [(e.primitive.name, a) for e in jaxpr.eqns if e.outvars and (a := e.outvars[0].aval).shape[:1] == (3,)
+           and math.prod(a.shape) in sizes and jnp.issubdtype(a.dtype, jnp.floating)]
+  # Outside the loops a stack is only reshaped ([L, prod(shape)] in the loop), and the gradient stacks are
+  # allocated and the bf16 ones converted once to float32: no whole-stack cast to bf16.
+  assert {name for name, _ in whole} == {"empty", "convert_element_type", "reshape"}, whole
+  assert all(a.dtype == jnp.float32 for name, a in whole if name == "convert_element_type"), whole
+  grads = sorted((str(a.dtype), a.shape[1]) for name, a in whole if name == "empty" and a.ndim == 2)  # [L, size]
+  assert grads == sorted([("bfloat16", math.prod(k[1:])) for k in kernels] + [("float32", d)] * 2), grads

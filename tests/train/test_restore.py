@@ -32,6 +32,9 @@ def run_dir(tmp_path_factory):
 
 
 def _kernels(model) -> list[np.ndarray]:
+  """Each block's mlp.down kernel, from per-layer blocks or from the stacks of a scanned model."""
+  if model.scan_layers:
+    return [np.asarray(k) for stack in model.stacks for k in stack.mlp.down.kernel[...]]
   return [np.asarray(layer.mlp.down.kernel[...]) for layer in model.layers]
 
 
@@ -44,7 +47,7 @@ def test_load_restores_the_trained_weights_in_any_form(run_dir):
   jax.tree.map(np.testing.assert_array_equal, _kernels(trained.model), _kernels(fresh.model))
   # ... and not the initial ones: 3 steps at lr 1e-2 moved them.
   initial = train.init_train_state(trained.config, 257, train.check_mesh(trained.config))
-  init_down = np.asarray(initial.state[0]["layers"][0]["mlp"]["down"]["kernel"][...])
+  init_down = np.asarray(initial.state[0]["stacks"][0]["mlp"]["down"]["kernel"][...][0])
   assert not np.array_equal(init_down, _kernels(trained.model)[0])
   batch = trained.heldout_batch(2, log=None)
   assert batch.shape == (2, trained.config.data.seq_len + 1) and batch.dtype == np.int32

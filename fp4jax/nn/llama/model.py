@@ -1,14 +1,22 @@
-"""The Llama model: embedding, a Python list of blocks, final RMSNorm, lm_head.
+"""The Llama model: embedding, the transformer blocks, final RMSNorm, lm_head.
 
-Blocks are a plain `nnx.List` of modules (parameters `layers.{i}.*`), each with its own FP4Linear routes
-(first/last N blocks in bf16). `__call__` unrolls them by default. With `scan_layers=True` it runs each run of
-consecutive blocks with identical routes as one loop over their parameters stacked inside the call
-(`fp4jax.nn.scan.run_layers`: a scan that writes what the backward reads into uninitialized stacks, not
-zero-filled ones as `jax.lax.scan`'s; FP4Linear kernels stacked already cast to the bf16 their products read,
-`_kernel_dtypes`): compile time then grows with the number of distinct runs, not with depth, the parameter tree
-is unchanged, and gradients flow back to each block through the stack. Scanned and unrolled give bit-identical
-numbers on the CPU (the layer index reaches the per-linear keys as a traced loop index); on an H200, XLA fused
-a bf16 unrolled step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md).
+Each block has its own FP4Linear routes (first/last N blocks in bf16). Unrolled (the default), the blocks are a
+plain `nnx.List` of modules, parameters `layers.{i}.*`, and `__call__` calls them one after the other. With
+`scan_layers=True` each run of consecutive blocks with identical routes (`Llama.block_groups`) is held as ONE
+block whose parameters carry a leading layer axis, `stacks.{g}.*` ([L_g, ...], as MaxText holds scanned
+layers), and runs as one loop over them (`fp4jax.nn.scan.run_layers`: a scan that writes what the backward
+reads into uninitialized stacks, not zero-filled ones as `jax.lax.scan`'s). The loop reads each layer's slice
+of the float32 master weights as the dtype its products use (`run_layers`' `read_as`), so a step makes no cast
+copy of the stacks and keeps none for its backward. Compile time then grows with the number of distinct runs,
+not with depth. Holding the parameters stacked replaced stacking per-layer parameters inside every step (a
+cast and a concatenation of every kernel), which made scanned steps slower on an H200 (docs/BENCHMARKS.md,
+"H200 session of 2026-12-04, 11:55").
+
+The two layouts hold the same numbers: a scanned model is initialized as the unrolled one and then stacked, and
+`unstacked_params` / `stacked_params` convert a state (parameters, gradients, optimizer moments as pure dicts)
+between them (`copy_params` between two models). Scanned and unrolled give bit-identical numbers on the CPU
+(the layer index reaches the per-linear keys as a traced loop index); on an H200, XLA fused a bf16 unrolled
+step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md).
 
 What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
 unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +48,9 @@ from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
 from fp4jax.nn.rules import RouteRules
 from fp4jax.numerics import prng
+
+
+LAYERS, STACKS = "layers", "stacks"  # the state's entries of unrolled and stacked blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +84,13 @@ class Llama(nnx.Module):
 
   Random keys: pass one key per step; block l's linears get prng.fold_in(key, 7l + j) (see
   `layers.linear_index`), the lm_head prng.fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
-  ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding), read it with
-  `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: run each run of same-route blocks as one
-  loop (`scan.run_layers`) under the checkpoint policy `scan_policy` (compile time ~ number of distinct runs,
-  not depth; the bf16 step of 12 Llama-3-8B blocks 8% slower than unrolled on an H200, docs/BENCHMARKS.md);
-  False (default) unrolls them, with the same bits on the CPU; "auto" scans when any block runs a quantized
-  route (whose unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it
-  took 11 s) and unrolls bf16-only models.
+  ("fsdp" on the largest dim of each matrix, the vocab dim of the embedding; a stacked parameter's layer axis is
+  not sharded), read it with `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: hold each run of
+  same-route blocks stacked and run it as one loop (`scan.run_layers`) under the checkpoint policy
+  `scan_policy` (module docstring; compile time ~ number of distinct runs, not depth); False (default) unrolls
+  them, with the same bits on the CPU; "auto" scans when any block runs a quantized route (whose unrolled steps
+  compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it took 11 s) and unrolls
+  bf16-only models. `block_groups`: the layer ranges that run as one loop (every block alone when unrolled).
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
@@ -92,15 +103,20 @@ class Llama(nnx.Module):
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
-    self.layers = nnx.List([
-        Block(config, layer=i, rules=rules, rngs=rngs, impl=impl, dtype=dtype, param_dtype=param_dtype)
-        for i in range(config.n_layers)
-    ])
+    blocks = [Block(config, layer=i, rules=rules, rngs=rngs, impl=impl, dtype=dtype, param_dtype=param_dtype)
+              for i in range(config.n_layers)]
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if scan_layers == "auto":  # scan where a block runs an FP4 (or FP8) route: see the class docstring
-      scan_layers = any(not module.route.high_precision for _, module in nnx.iter_graph(self.layers)
+      scan_layers = any(not module.route.high_precision for block in blocks for _, module in nnx.iter_graph(block)
                         if isinstance(module, FP4Linear))
     self.scan_layers = scan_layers
+    self.block_groups = _runs(blocks) if scan_layers else tuple(range(i, i + 1) for i in range(len(blocks)))
+    if scan_layers:
+      self.layers = nnx.data(None)
+      self.stacks = nnx.List([_stacked(blocks[g.start:g.stop]) for g in self.block_groups])
+    else:
+      self.layers = nnx.List(blocks)
+      self.stacks = nnx.data(None)
     if config.tie_embeddings:
       self.lm_head = nnx.data(None)
     else:
@@ -118,11 +134,15 @@ class Llama(nnx.Module):
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     x = self.embed(tokens)  # [B, T, D]
-    for group in self._block_groups():
+    for g, group in enumerate(self.block_groups):
       # The barrier rounds x to its dtype at every group boundary as the scan carry does at every block
       # (XLA's excess precision could otherwise keep it in float32 across an unrolled boundary): scanned
       # and unrolled runs then give bit-identical numbers.
-      x = jax.lax.optimization_barrier(self._run_blocks(group, x, positions, key))
+      if self.scan_layers:
+        x = self._run_stack(self.stacks[g], group, x, positions, key)
+      else:
+        x = self.layers[group.start](x, positions, key=key)
+      x = jax.lax.optimization_barrier(x)
     x = self.norm(x)
     if self.lm_head is None:
       # embed.attend would round the logits to bf16 (~0.4% of each, before the softmax); accumulate and
@@ -135,47 +155,94 @@ class Llama(nnx.Module):
       logits = self.lm_head(x, key=head_key)  # [B, T, V]
     return logits.astype(jnp.float32)
 
-  def _block_groups(self) -> list[range]:
-    """Runs of consecutive layer indices whose blocks can share one compiled body (same routes and state
-    structure); every block alone when `scan_layers` is off."""
-    if not self.scan_layers:
-      return [range(i, i + 1) for i in range(len(self.layers))]
-    groups: list[range] = []
-    previous = None
-    for i, block in enumerate(self.layers):
-      signature = _block_signature(block)
-      if groups and signature == previous:
-        groups[-1] = range(groups[-1].start, i + 1)
-      else:
-        groups.append(range(i, i + 1))
-      previous = signature
-    return groups
-
-  def _run_blocks(self, group: range, x: jax.Array, positions: jax.Array, key: jax.Array | None) -> jax.Array:
-    """x [B, T, D] through blocks `group`: a direct call for one block, else a loop over stacked params."""
+  def _run_stack(self, stack: Block, group: range, x: jax.Array, positions: jax.Array,
+                 key: jax.Array | None) -> jax.Array:
+    """x [B, T, D] through the blocks `group`, whose parameters `stack` holds stacked: a direct call of layer
+    0's slice for one block, else a loop over the slices."""
+    graphdef, state = nnx.split(stack)  # Its own `layer` (group.start) is overridden by the loop's index.
     if len(group) == 1:
-      return self.layers[group.start](x, positions, key=key)
-    graphdef = nnx.graphdef(self.layers[group.start])  # Its own `layer` is overridden by the loop's index.
-    states = [nnx.state(self.layers[i]) for i in group]
-    casts = _kernel_dtypes(self.layers[group.start])
-
-    def stack(path, *leaves):  # [L, ...]; an FP4Linear kernel already in the dtype its product reads
-      dtype = casts.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
-      return jnp.stack([leaf.astype(dtype) for leaf in leaves] if dtype else leaves)
-
-    stacked = jax.tree_util.tree_map_with_path(stack, *states)
+      return nnx.merge(graphdef, jax.tree.map(lambda p: p[0], state))(x, positions, key=key)
+    casts = _kernel_dtypes(stack)
+    read_as = lambda path, _: casts.get(tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)))
+    # Each stack enters the loop as [L, prod(shape)] and each layer's slice is reshaped back in the loop body.
+    # A product reads its kernel transposed ([out, in], K-major); with the [L, in, out] stack as the loop's
+    # operand, XLA laid the whole float32 stack out transposed, one more pass over it per step, instead of
+    # transposing each layer's slice in the fusion that casts it (compiled H200 program, 2026-12-04).
+    leaves, treedef = jax.tree.flatten(state)
+    shapes = [p.shape[1:] for p in leaves]
+    flat = jax.tree.unflatten(treedef, [p.reshape(p.shape[0], -1) for p in leaves])
 
     @functools.partial(jax.checkpoint, policy=self.scan_policy, prevent_cse=False)  # CSE is safe in a loop body
-    def block(h, state, invariants, layer):
+    def block(h, flat_state, invariants, layer):
       positions, key = invariants
+      state = jax.tree.unflatten(treedef, [p.reshape(s) for p, s in zip(jax.tree.leaves(flat_state), shapes)])
       return nnx.merge(graphdef, state)(h, positions, key=key, layer=layer)
 
-    return scan_lib.run_layers(block, x, stacked, (positions, key), first_layer=group.start)
+    return scan_lib.run_layers(block, x, flat, (positions, key), first_layer=group.start, read_as=read_as)
 
   def routes(self) -> dict[str, str]:
-    """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4."""
-    return {".".join(map(str, path)): module.route.name
-            for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
+    """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4; a stacked
+    block's linears are listed under each of its layers (`layers.{i}.*`), as an unrolled model names them."""
+    if not self.scan_layers:
+      return {".".join(map(str, path)): module.route.name
+              for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
+    out = {}
+    for group, stack in zip(self.block_groups, self.stacks):
+      linears = [(".".join(map(str, path)), m.route.name) for path, m in nnx.iter_graph(stack)
+                 if isinstance(m, FP4Linear)]
+      out |= {f"layers.{i}.{path}": name for i in group for path, name in linears}
+    if self.lm_head is not None:
+      out["lm_head"] = self.lm_head.route.name
+    return out
+
+
+def unstacked_params(pure: Any, groups: Sequence[range]) -> Any:
+  """A scanned Llama's state as a pure dict (`nnx.to_pure_dict`: parameters, their gradients, an optimizer state
+  holding moments of them) in the unrolled model's layout: every `stacks` entry, at whatever depth, split along
+  its layer axis into `layers.{i}` for the layers i of `groups[g]` (`Llama.block_groups`) for its entry g.
+  Everything else is kept as it is."""
+  if not isinstance(pure, dict):
+    return pure
+  out = {k: unstacked_params(v, groups) for k, v in pure.items() if k != STACKS}
+  if STACKS in pure:
+    out[LAYERS] = {i: jax.tree.map(lambda p, l=i - group.start: p[l], pure[STACKS][g])
+                   for g, group in enumerate(groups) for i in group}
+  return out
+
+
+def stacked_params(pure: Any, groups: Sequence[range]) -> Any:
+  """The inverse of `unstacked_params`: `layers.{i}` entries, at whatever depth, stacked into `stacks.{g}`."""
+  if not isinstance(pure, dict):
+    return pure
+  out = {k: stacked_params(v, groups) for k, v in pure.items() if k != LAYERS}
+  if LAYERS in pure:
+    out[STACKS] = {g: jax.tree.map(lambda *p: jnp.stack(p), *(pure[LAYERS][i] for i in group))
+                   for g, group in enumerate(groups)}
+  return out
+
+
+def copy_params(src: Llama, dst: Llama) -> None:
+  """Sets every parameter of `dst` to `src`'s, whichever layout each holds its blocks in (scanned or unrolled,
+  other route rules, so other groups). The two must have one config (shapes); raises ValueError otherwise."""
+  if src.config != dst.config:
+    raise ValueError(f"copy_params needs two models of one config: {src.config} != {dst.config}")
+  pure = nnx.to_pure_dict(nnx.state(src, nnx.Param))
+  if src.scan_layers:
+    pure = unstacked_params(pure, src.block_groups)
+  if dst.scan_layers:
+    pure = stacked_params(pure, dst.block_groups)
+  state = nnx.state(dst, nnx.Param)
+  nnx.replace_by_pure_dict(state, pure)
+  nnx.update(dst, state)
+
+
+def weight_decay_mask(params: Any) -> Any:
+  """True for the matrices of a Llama state (embedding, linear kernels), False for the norm scales: a leaf is a
+  matrix when it has 2 axes besides a stacked block's layer axis (`stacks.*`). For optax's `mask=`."""
+  def matrix(path, p):
+    stacked = any(getattr(k, "key", getattr(k, "name", None)) == STACKS for k in path)
+    return p.ndim - stacked >= 2
+  return jax.tree_util.tree_map_with_path(matrix, params)
 
 
 def _check_rules_used(rules: RouteRules, paths: list[str], n_layers: int) -> None:
@@ -195,12 +262,38 @@ def _check_rules_used(rules: RouteRules, paths: list[str], n_layers: int) -> Non
 def _kernel_dtypes(block: Block) -> dict[tuple[str, ...], Any]:
   """{state path of each FP4Linear kernel in `block`: the dtype its product casts it to (`FP4Linear.dtype`)}.
 
-  A scanned run stacks each kernel in that dtype rather than as the float32 master weight: the product reads
-  only the cast, so the numbers and gradients are the same (the cast's backward converts the bf16 cotangent,
-  wherever it sits), while the stack, kept for the backward, holds half the bytes. On the H200 (12 Llama-3-8B
-  blocks, mxfp4) that lowered peak memory by 3.8 GiB at the same step time (docs/BENCHMARKS.md)."""
+  A scanned run reads each layer's kernel slice in that dtype (`run_layers`' `read_as`) rather than as the
+  float32 master weight: the product reads only the cast, so the numbers and gradients are the same (the cast's
+  backward converts the bf16 cotangent, wherever it sits), while the loop's gradient stacks hold half the bytes."""
   return {(*map(str, path), "kernel"): module.dtype for path, module in nnx.iter_graph(block)
           if isinstance(module, FP4Linear)}
+
+
+def _runs(blocks: list[Block]) -> tuple[range, ...]:
+  """Runs of consecutive layer indices whose blocks can share one compiled body (`_block_signature`)."""
+  groups: list[range] = []
+  previous = None
+  for i, block in enumerate(blocks):
+    signature = _block_signature(block)
+    if groups and signature == previous:
+      groups[-1] = range(groups[-1].start, i + 1)
+    else:
+      groups.append(range(i, i + 1))
+    previous = signature
+  return tuple(groups)
+
+
+def _stacked(blocks: list[Block]) -> Block:
+  """One block (the first one's modules and routes) whose every parameter is those of `blocks` stacked along a
+  new leading layer axis, unsharded (its sharding names get a leading None)."""
+  graphdef = nnx.graphdef(blocks[0])
+  stack = nnx.merge(graphdef, jax.tree.map(lambda *p: jnp.stack(p), *(nnx.state(b) for b in blocks)))
+  for _, variable in nnx.iter_graph(stack):
+    if isinstance(variable, nnx.Variable) and variable.has_metadata("out_sharding"):
+      names = variable.get_metadata()["out_sharding"]
+      if names is not None:
+        variable.set_metadata("out_sharding", (None, *names))
+  return stack
 
 
 def _block_signature(block: Block) -> tuple[Any, ...]:
