@@ -16,7 +16,8 @@ The two layouts hold the same numbers: a scanned model is initialized as the unr
 `unstacked_params` / `stacked_params` convert a state (parameters, gradients, optimizer moments as pure dicts)
 between them (`copy_params` between two models). Scanned and unrolled give bit-identical numbers on the CPU
 (the layer index reaches the per-linear keys as a traced loop index); on an H200, XLA fused a bf16 unrolled
-step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md).
+step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md). A reduction over the whole
+state, such as optax's global gradient norm, sums a stacked leaf in another float32 order than per-layer ones.
 
 What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
 unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
