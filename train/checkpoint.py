@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, NamedTuple, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,15 @@ from flax import nnx
 from train.errors import UserError
 
 DIGEST_KEY = "state_digest"
+
+
+class Alternative(NamedTuple):
+  """Another layout a state may have been saved in: `target`, that layout's pure dict of abstract arrays (with
+  their shardings), and `convert`, which takes a state restored into it to the live state's layout (e.g. the
+  per-layer blocks that scanned runs saved before they held them stacked, `train.train.checkpoint_alternative`)."""
+
+  target: Any
+  convert: Callable[[Any], Any]
 
 
 def saved_steps(directory: str) -> list[int]:
@@ -115,11 +124,13 @@ class Checkpointer:
                      f"only checked finite\n")
     return None, out
 
-  def restore(self, state: nnx.State) -> tuple[nnx.State, dict[str, Any], int]:
+  def restore(self, state: nnx.State, *, alternative: Alternative | None = None
+              ) -> tuple[nnx.State, dict[str, Any], int]:
     """Restores the newest intact step into a copy of `state`'s structure and shardings.
 
     Damaged newer steps are moved to `<directory>-damaged/` with a warning; if no step is intact, raises a
-    UserError naming the newest one.
+    UserError naming the newest one. A step saved in `alternative`'s layout is restored into it and converted,
+    with a note on the log; one of any other layout is a UserError (`_layout_of`).
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
     if not steps:
@@ -127,9 +138,13 @@ class Checkpointer:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
     damaged: list[tuple[int, str]] = []
     for step in steps:
-      self._check_layout(target, step)
-      problem, out = self._problem(target, step)
+      convert = self._layout_of(target, step, alternative)
+      problem, out = self._problem(alternative.target if convert else target, step)
       if problem is None:
+        if convert:
+          self.log.write(f"[ckpt] step {step} in {self.directory} holds another layout of this state (saved by "
+                         f"an older fp4jax): converted on restoring\n")
+        restored = alternative.convert(out["state"]) if convert else out["state"]
         break
       damaged.append((step, problem))
       self.log.write(f"[ckpt] warning: checkpoint step {step} in {self.directory} is damaged: {problem}\n")
@@ -140,27 +155,30 @@ class Checkpointer:
     if damaged:
       self._set_aside([s for s, _ in damaged])
       self.log.write(f"[ckpt] resuming from step {step}, the newest intact one\n")
-    nnx.replace_by_pure_dict(state, out["state"])
+    nnx.replace_by_pure_dict(state, restored)
     data_state = {k: v for k, v in out["data"].items() if k != DIGEST_KEY}
     return state, data_state, step
 
-  def _check_layout(self, target: Any, step: int) -> None:
-    """A UserError when `step` holds other arrays (names or shapes) than `target`: a state saved by another model
-    layout, which restoring would report as damage and move aside. Unreadable metadata is left to `_problem`."""
+  def _layout_of(self, target: Any, step: int, alternative: Alternative | None) -> bool:
+    """Whether `step` holds `alternative`'s layout rather than `target`'s. A UserError when it holds other arrays
+    (names or shapes) than either: a state saved by another model layout, which restoring would report as damage
+    and move aside. Unreadable metadata is left to `_problem` (False)."""
     try:
       saved = _layout(getattr(tree := self._mgr.item_metadata(step)["state"], "tree", tree))
     except Exception:  # pylint: disable=broad-except  # damaged metadata fails in many Orbax ways
-      return
+      return False
     want = _layout(target)
     if not saved or saved == want:
-      return
+      return False
+    if alternative is not None and saved == _layout(alternative.target):
+      return True
     differ = ([f"{k} only in the checkpoint" for k in saved if k not in want][:2]
               + [f"{k} only in this run's model" for k in want if k not in saved][:2]
               + [f"{k}: {saved[k]} saved, {want[k]} now" for k in want if k in saved and saved[k] != want[k]][:2])
     raise UserError(f"checkpoint step {step} in {self.directory} holds another state layout than this run's model "
-                    f"({'; '.join(differ)}): it was saved with other model settings or by an older fp4jax (since "
-                    f"2026-12-04 scanned blocks are saved stacked, stacks.*, unrolled ones per layer, layers.*); "
-                    f"nothing was changed there: use another run.out_dir, or the settings it was saved with")
+                    f"({'; '.join(differ)}): it was saved with other model settings (a scanned model holds its "
+                    f"blocks stacked, stacks.*, an unrolled one per layer, layers.*); nothing was changed there: use "
+                    f"another run.out_dir, or the settings it was saved with")
 
   def _set_aside(self, steps: list[int]) -> None:
     """Moves damaged steps out of the manager's directory (kept for inspection, never reused)."""

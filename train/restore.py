@@ -74,7 +74,7 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   ts = train.init_train_state(saved, tok.vocab_size, train.check_mesh(saved))
   ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
   try:
-    ts.state, _, step = ckpt.restore(ts.state)
+    ts.state, _, step = ckpt.restore(ts.state, alternative=train.checkpoint_alternative(ts))
   finally:
     ckpt.close()
   model, _ = nnx.merge(ts.graphdef, ts.state)

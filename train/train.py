@@ -293,6 +293,29 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step, all_finite)
 
 
+def checkpoint_alternative(ts: TrainState) -> checkpoint.Alternative | None:
+  """For a model whose blocks are scanned: the per-layer layout of its state (`layers.{i}`), which scanned runs
+  saved before their blocks' parameters were held stacked (3da1e21), and the conversion from it, so that those
+  checkpoints resume (`Checkpointer.restore`). None for an unrolled model, whose layout did not change."""
+  from fp4jax.nn.llama.model import stacked_params, unstacked_params
+  model, _ = nnx.merge(ts.graphdef, ts.state)
+  if not model.scan_layers:
+    return None
+  groups = model.block_groups
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        nnx.to_pure_dict(ts.state))
+
+  def take(s: jax.ShapeDtypeStruct, _) -> jax.ShapeDtypeStruct:  # one layer of a stacked leaf, its sharding
+    sharding = s.sharding
+    if isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=sharding)
+
+  shardings = jax.tree.map(lambda s: s.sharding, target)
+  return checkpoint.Alternative(unstacked_params(target, groups, take),
+                                lambda restored: jax.device_put(stacked_params(restored, groups), shardings))
+
+
 def to_global(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """The global batch as a sharded array; each process materializes only its addressable shards."""
   return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
@@ -449,7 +472,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
   start, data_state = 0, {}
   if ckpt.latest_step() is not None:
-    ts.state, data_state, start = ckpt.restore(ts.state)
+    ts.state, data_state, start = ckpt.restore(ts.state, alternative=checkpoint_alternative(ts))
     it.restore(data_state)
   log = metrics.MetricsLogger(r.out_dir, label, after=start) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)

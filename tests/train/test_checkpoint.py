@@ -116,3 +116,35 @@ def test_a_state_of_another_layout_is_refused_untouched(tmp_path):
   assert checkpoint.saved_steps(directory) == [1, 2] and not os.path.exists(directory + "-damaged")
   restored, data, step = checkpoint.Checkpointer(directory).restore(_state(3))
   assert step == 2 and data == {"position": 2}
+
+
+def test_a_scanned_run_resumes_a_checkpoint_of_its_blocks_per_layer(tmp_path):
+  """Scanned runs saved their blocks per layer (`layers.{i}`) before they held them stacked (`stacks.{g}`): such a
+  step restores into the stacked state through `train.checkpoint_alternative`, parameters and Adam moments
+  alike, with a note; the same step into an unrolled state needs no conversion."""
+  from fp4jax.nn.llama.model import unstacked_params  # pylint: disable=g-import-not-at-top
+  from train import config, train  # pylint: disable=g-import-not-at-top
+  cfg = lambda scan: config.from_dict({"model": {"preset": "tiny", "dtype": "float32", "scan_layers": scan},
+                                       "route": "mxfp4", "data": {"seq_len": 32, "batch_size": 2},
+                                       "run": {"steps": 2, "seed": 5}})
+  mesh = train.make_mesh((1, 1), jax.devices()[:1])
+  per_layer, stacked = (train.init_train_state(cfg(scan), 257, mesh) for scan in (False, True))
+  batch = train.to_global(np.random.default_rng(0).integers(0, 257, (2, 33)).astype(np.int32), per_layer.batch_sharding)
+  per_layer.state, _, _ = per_layer.train_step(per_layer.state, batch, np.int32(0))  # moments that are not zero
+  directory = str(tmp_path / "ckpt")
+  ckpt = checkpoint.Checkpointer(directory)
+  ckpt.save(1, per_layer.state, {"position": 1})
+  ckpt.close()
+  log = io.StringIO()
+  ckpt = checkpoint.Checkpointer(directory, log=log)
+  restored, data, step = ckpt.restore(stacked.state, alternative=train.checkpoint_alternative(stacked))
+  ckpt.close()
+  assert step == 1 and data == {"position": 1} and "converted on restoring" in log.getvalue()
+  model, _ = nnx.merge(stacked.graphdef, restored)
+  assert model.scan_layers and model.stacks[0].mlp.down.kernel[...].shape[0] == 2
+  got = unstacked_params(nnx.to_pure_dict(restored), model.block_groups)
+  want = nnx.to_pure_dict(per_layer.state)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert train.checkpoint_alternative(per_layer) is None

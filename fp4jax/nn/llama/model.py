@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -197,16 +198,17 @@ class Llama(nnx.Module):
     return out
 
 
-def unstacked_params(pure: Any, groups: Sequence[range]) -> Any:
+def unstacked_params(pure: Any, groups: Sequence[range], take: Callable[[Any, int], Any] = operator.getitem) -> Any:
   """A scanned Llama's state as a pure dict (`nnx.to_pure_dict`: parameters, their gradients, an optimizer state
   holding moments of them) in the unrolled model's layout: every `stacks` entry, at whatever depth, split along
   its layer axis into `layers.{i}` for the layers i of `groups[g]` (`Llama.block_groups`) for its entry g.
-  Everything else is kept as it is."""
+  Everything else is kept as it is. `take(leaf, l)`: slice l of a stacked leaf (leaf[l]; another function for
+  leaves that are not arrays, such as abstract ones)."""
   if not isinstance(pure, dict):
     return pure
-  out = {k: unstacked_params(v, groups) for k, v in pure.items() if k != STACKS}
+  out = {k: unstacked_params(v, groups, take) for k, v in pure.items() if k != STACKS}
   if STACKS in pure:
-    out[LAYERS] = {i: jax.tree.map(lambda p, l=i - group.start: p[l], pure[STACKS][g])
+    out[LAYERS] = {i: jax.tree.map(lambda p, l=i - group.start: take(p, l), pure[STACKS][g])
                    for g, group in enumerate(groups) for i in group}
   return out
 
