@@ -78,6 +78,11 @@ def _layout(tree: Any) -> dict[str, tuple[int, ...]]:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
 
 
+def abstract_state(state: nnx.State) -> Any:
+  """The pure dict of `state` as abstract arrays (shape, dtype, sharding): what a restore fills."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
+
+
 def state_digest(state_dict: Any) -> tuple[str, bool]:
   """(hex digest of the arrays' bits, all finite) of a pure state dict."""
   digest, finite = _fingerprint(state_dict)
@@ -135,7 +140,7 @@ class Checkpointer:
     steps = sorted(self._mgr.all_steps(), reverse=True)
     if not steps:
       raise FileNotFoundError(f"no checkpoint under {self.directory}")
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
+    target = abstract_state(state)
     damaged: list[tuple[int, str]] = []
     for step in steps:
       convert = self._layout_of(target, step, alternative)

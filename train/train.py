@@ -302,8 +302,7 @@ def checkpoint_alternative(ts: TrainState) -> checkpoint.Alternative | None:
   if not model.scan_layers:
     return None
   groups = model.block_groups
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        nnx.to_pure_dict(ts.state))
+  target = checkpoint.abstract_state(ts.state)
 
   def take(s: jax.ShapeDtypeStruct, _) -> jax.ShapeDtypeStruct:  # one layer of a stacked leaf, its sharding
     sharding = s.sharding

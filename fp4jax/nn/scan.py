@@ -91,7 +91,8 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
   length = jax.tree.leaves(stacked)[0].shape[0]
   with_paths, params_tree = jax.tree_util.tree_flatten_with_path(stacked)
   dtypes = [None if read_as is None else read_as(path, x) for path, x in with_paths]
-  read = lambda tree, i: jax.tree.unflatten(params_tree, _cast(params_tree.flatten_up_to(_slice(tree, i)), dtypes))
+  read_leaves = lambda leaves, i: _cast(_slice(leaves, i), dtypes)  # layer i's parameters as `body` reads them
+  read = lambda tree, i: jax.tree.unflatten(params_tree, read_leaves(params_tree.flatten_up_to(tree), i))
   # One layer's VJP structure and leaf sources, set while tracing the forward, read by the backward's trace.
   plan: dict[str, Any] = {}
 
@@ -132,7 +133,7 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
     def step(k, carry):
       g, grads = carry
       i = length - 1 - k
-      origin = {"stored": _slice(stacks, i), "param": _cast(_slice(params, i), dtypes),
+      origin = {"stored": _slice(stacks, i), "param": read_leaves(params, i),
                 "invariant": jax.tree.leaves(invariants), "layer": [first_layer + i]}
       leaves = [s.index if s.kind == "static" else origin[s.kind][s.index] for s in plan["sources"]]
       g, d_params = jax.tree.unflatten(plan["treedef"], leaves)(g)

@@ -185,16 +185,11 @@ class Llama(nnx.Module):
   def routes(self) -> dict[str, str]:
     """{dotted module path: route name} of every FP4Linear, for logging which layers run in FP4; a stacked
     block's linears are listed under each of its layers (`layers.{i}.*`), as an unrolled model names them."""
-    if not self.scan_layers:
-      return {".".join(map(str, path)): module.route.name
-              for path, module in nnx.iter_graph(self) if isinstance(module, FP4Linear)}
     out = {}
-    for group, stack in zip(self.block_groups, self.stacks):
-      linears = [(".".join(map(str, path)), m.route.name) for path, m in nnx.iter_graph(stack)
-                 if isinstance(m, FP4Linear)]
-      out |= {f"layers.{i}.{path}": name for i in group for path, name in linears}
-    if self.lm_head is not None:
-      out["lm_head"] = self.lm_head.route.name
+    for path, module in nnx.iter_graph(self):
+      if isinstance(module, FP4Linear):
+        names = ([(LAYERS, i, *path[2:]) for i in self.block_groups[path[1]]] if path[0] == STACKS else [path])
+        out |= {".".join(map(str, name)): module.route.name for name in names}
     return out
 
 
