@@ -65,6 +65,25 @@ def _write(stacks: list[jax.Array], values: list[jax.Array], i: jax.Array) -> li
   return [jax.lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stacks, values)]
 
 
+def _empty(shape: tuple[int, ...], dtype: Any, spec: jax.sharding.PartitionSpec | None) -> jax.Array:
+  """An uninitialized array partitioned by `spec` over the context's mesh (None: unspecified).
+
+  `lax.empty` alone takes no mesh from the context, where the values computed in the loop do: under a mesh of
+  explicit axes the two then differ, and `dynamic_update_slice` rejects writing one into the other."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if spec is None or mesh.empty:
+    return jax.lax.empty(shape, dtype)
+  return jax.lax.empty(shape, dtype, out_sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
+def _spec(x: Any, stacked: bool = False) -> jax.sharding.PartitionSpec | None:
+  """x's partition spec (an array or a ShapeDtypeStruct), or that of a stack of such values (`stacked`)."""
+  sharding = x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  return jax.sharding.PartitionSpec(None, *sharding.spec) if stacked else sharding.spec
+
+
 def _differentiable(x: Any) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
 
@@ -121,7 +140,7 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
       h, stored = layer(h, read(stacked, i), invariants, first_layer + i)
       return h, _write(stacks, stored, i)
 
-    stacks = [jax.lax.empty((length, *a.shape), a.dtype) for a in avals]
+    stacks = [_empty((length, *a.shape), a.dtype, _spec(a, stacked=True)) for a in avals]
     h, stacks = jax.lax.fori_loop(0, length, step, (h, stacks))
     return h, (stacks, stacked, invariants)
 
@@ -139,7 +158,7 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
       g, d_params = jax.tree.unflatten(plan["treedef"], leaves)(g)
       return g, _write(grads, [d for d, t in zip(jax.tree.leaves(d_params), trained) if t], i)
 
-    grads = [jax.lax.empty(x.shape, d or x.dtype) for x, d, t in zip(params, dtypes, trained) if t]
+    grads = [_empty(x.shape, d or x.dtype, _spec(x)) for x, d, t in zip(params, dtypes, trained) if t]
     g, grads = jax.lax.fori_loop(0, length, step, (g, grads))
     grads = iter(grads)
     d_stacked = [next(grads).astype(x.dtype) if t else _no_gradient(x) for x, t in zip(params, trained)]

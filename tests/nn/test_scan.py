@@ -99,6 +99,20 @@ def test_run_layers_lowers_its_stacks_to_uninitialized_buffers_on_gpu():
   assert "AllocateBuffer" not in grads(functools.partial(_lax_scan, first_layer=0))
 
 
+def test_run_layers_runs_under_a_mesh_of_explicit_axes():
+  # Under a mesh of explicit axes every value computed in the loop carries the mesh; the stacks they are
+  # written into must carry it too (lax.empty takes none from the context), or dynamic_update_slice refuses
+  # to write (`bench compile --h200` lowered a scanned step so). The gradients are those of no mesh.
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+  saved_z = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("z"))
+  want = _value_and_grads(scan.run_layers, saved_z)
+  with jax.set_mesh(mesh):
+    got = _value_and_grads(scan.run_layers, saved_z)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if g.dtype != jax.dtypes.float0:
+      np.testing.assert_array_equal(g, w)
+
+
 def test_run_layers_refuses_differentiable_invariants():
   h, stacked, _ = _inputs()
   with pytest.raises(TypeError, match=r"invariants get no gradient.*float32\[6\]"):
