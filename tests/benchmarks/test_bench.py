@@ -200,6 +200,11 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
         "--routes", "mxfp4"])
   unfused = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled unfused 2x32")]
   assert len(unfused) == 1 and hlo(unfused[0]) > hlo(lines[1]), (unfused, lines)
+  # Scanned blocks lower too (the abstract H200's mesh has explicit axes, which the scan's stacks must carry).
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--scan", "--routes",
+        "mxfp4"])
+  scanned = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny scanned 2x32")]
+  assert len(scanned) == 1 and "compile    n/a s" in scanned[0], scanned
 
 
 def test_bench_compile_repeat_runs_fresh_processes_and_reports_medians(tmp_path, capsys):
