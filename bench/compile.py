@@ -1,8 +1,8 @@
 """`python -m bench compile`: where compile time goes, per route.
 
   python -m bench compile [--shapes 0] [--routes ...]                fp4_dot forward and forward+backward
-  python -m bench compile --step 30m [--tokens 8x512] [--scan [auto]] [--unfused-linears] [--h200] [--routes ...]
-                                                                   a whole train step
+  python -m bench compile --step 30m [--tokens 8x512] [--layers N] [--scan [auto]] [--unfused-linears] [--h200]
+                          [--routes ...]                           a whole train step
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
   python -m bench compile --step 30m --repeat 5 ...        each first call in 5 fresh processes: medians
   python -m bench compile --step 30m --h200 --xla ...      compiled for an H200 by XLA:GPU, without a GPU
@@ -87,6 +87,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="time a whole Llama train step of this preset instead")
   parser.add_argument("--tokens", type=args_lib.tokens, default="8x512",
                       help="--step's batch: BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--layers", type=args_lib.int_at_least(1),
+                      help="--step: keep the preset's layer shapes with this many layers (as `bench step --layers`)")
   args_lib.add_scan(parser, "--step: ")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="--step: one product per linear (LlamaConfig.fuse_linears=False)")
@@ -348,7 +350,8 @@ def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
   batch, seq = args.tokens
   scan = [] if not args.scan else ["--scan"] if args.scan is True else ["--scan", args.scan]
   return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off", "compile",
-          "--step", args.step, "--tokens", f"{batch}x{seq}", *scan,
+          "--step", args.step, *(["--layers", str(args.layers)] if args.layers else []), "--tokens",
+          f"{batch}x{seq}", *scan,
           *(["--unfused-linears"] if args.unfused_linears else []), *(["--warm"] if args.warm else []),
           *(["--h200", "--xla"] if args.xla else []),
           "--routes", route, "--out", out]
@@ -397,6 +400,8 @@ def run(args: argparse.Namespace) -> None:
   if args.repeat > 1 and (not args.step or (args.h200 and not args.xla) or args.passes or args.triton or args.hlo):
     raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200 (unless with "
                     "--xla), --passes, --triton or --hlo")
+  if args.layers and not args.step:
+    raise UserError("bench compile: --layers sets the layer count of a whole step; add --step PRESET")
   if args.xla and not args.h200:
     raise UserError("bench compile: --xla compiles an --h200 lowering with XLA:GPU; add --h200")
   if args.triton and (not args.h200 or args.xla):
@@ -429,9 +434,9 @@ def run(args: argparse.Namespace) -> None:
     first_calls = {}
     for route in args.routes:
       step, _, state, tokens, _, scan = llama_step(args.step, route, batch=batch, seq=seq, scan=args.scan,
-                                                   fuse_linears=not args.unfused_linears)
-      name = (f"{args.step} {'scanned' if scan else 'unrolled'}{' unfused' if args.unfused_linears else ''} "
-              f"{batch}x{seq} {route}")
+                                                   layers=args.layers, fuse_linears=not args.unfused_linears)
+      name = (f"{args.step}{f' {args.layers}l' if args.layers else ''} {'scanned' if scan else 'unrolled'}"
+              f"{' unfused' if args.unfused_linears else ''} {batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200, xla=xla,
                        passes=args.passes, triton_compile=args.triton, keep_hlo=bool(args.hlo))
       print(_line(name, phases), flush=True)

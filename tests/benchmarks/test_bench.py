@@ -108,6 +108,7 @@ def test_cli_errors():
     (["compile", "--step", "tiny", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
     (["compile", "--step", "tiny", "--h200", "--xla", "--triton", "--routes", "mxfp4"], "use --h200 without --xla"),
     (["compile", "--step", "tiny", "--xla", "--routes", "mxfp4"], "--xla compiles an --h200 lowering with XLA:GPU"),
+    (["compile", "--layers", "2", "--routes", "mxfp4"], "--layers sets the layer count of a whole step"),
     (["compile", "--step", "tiny", "--h200", "--hlo", "x", "--routes", "mxfp4"], "--hlo writes compiled programs"),
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
@@ -201,9 +202,10 @@ def test_bench_compile_step_phases_for_an_h200(capsys):
   unfused = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny unrolled unfused 2x32")]
   assert len(unfused) == 1 and hlo(unfused[0]) > hlo(lines[1]), (unfused, lines)
   # Scanned blocks lower too (the abstract H200's mesh has explicit axes, which the scan's stacks must carry).
-  main(["--compile-cache", "off", "compile", "--step", "tiny", "--tokens", "2x32", "--h200", "--scan", "--routes",
-        "mxfp4"])
-  scanned = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny scanned 2x32")]
+  # `--layers` keeps the preset's shapes with fewer layers (as in `bench step`).
+  main(["--compile-cache", "off", "compile", "--step", "tiny", "--layers", "3", "--tokens", "2x32", "--h200",
+        "--scan", "--routes", "mxfp4"])
+  scanned = [l for l in capsys.readouterr().out.splitlines() if l.startswith("  tiny 3l scanned 2x32")]
   assert len(scanned) == 1 and "compile    n/a s" in scanned[0], scanned
 
 
