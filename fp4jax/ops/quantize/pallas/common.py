@@ -8,7 +8,8 @@ interpret mode on CPU) and reproduces the reference's float32 operations in the 
   * block maxima as maxima of |x|'s float32 bit patterns (monotone for non-negative floats; NaN/Inf patterns
     sort above every finite one, which flags non-finite blocks without relying on float max NaN semantics);
   * `halving_sum`: `reference._tree_sum`'s order; `butterfly`: `hadamard.fwht`'s;
-  * Triton tensors cannot be sliced, so pairs of rows are picked by exact integer sums (`pick`).
+  * Triton tensors cannot be sliced, so pairs of rows are separated and rejoined along a size-2 axis
+    (`halves`, `interleave`).
 
 The dual-view layout (`dual_view_call`): x [M, K] read as uint32 words, each two bf16 neighbours along K (a
 free bitcast of x), split by row parity; the low and high halves of a word are the two nibbles of a row-view
@@ -43,23 +44,31 @@ def as_i32(v: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(v, jnp.int32)
 
 
-def pick(a: jax.Array, which: int) -> jax.Array:
-  """a[:, which, :] of an int32 [A, 2, B] as an exact integer sum (Triton tensors cannot be sliced)."""
-  sel = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1) == which
-  return jnp.sum(jnp.where(sel, a, 0), axis=1)
+def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(a[:, 0, :], a[:, 1, :]) of an [A, 2, B] array. Triton tensors cannot be sliced; `jnp.split` lowers to
+  Triton's split (a move of the pair axis into each thread's registers), where picking by a masked sum over
+  the axis compiled to cross-thread reductions (shuffles) and took several times the instructions and the
+  compile time (docs/BENCHMARKS.md, session of 2026-12-04, 15:40)."""
+  lo, hi = jnp.split(a, 2, axis=1)
+  return lo.reshape(a.shape[0], a.shape[2]), hi.reshape(a.shape[0], a.shape[2])
+
+
+def interleave(lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """The [A, 2, B] array whose halves (`halves`) are lo and hi [A, B] (Triton's join, then a transpose)."""
+  return jnp.transpose(jnp.stack([lo, hi], axis=-1), (0, 2, 1))
 
 
 def halving_sum(a: jax.Array, blocks: tuple[int, ...], axis: int) -> jax.Array:
   """`reference._tree_sum` of float32 `a` (any shape holding `blocks`' elements) along `axis` of it viewed as
-  `blocks` (a power-of-two length): a[:h] + a[h:2h], h halving to 1, pairs picked by exact integer sums. The
-  result keeps `axis` with length 1."""
+  `blocks` (a power-of-two length): a[:h] + a[h:2h], h halving to 1 (`halves`). The result keeps `axis` with
+  length 1."""
   lead, trailing = math.prod(blocks[:axis]), math.prod(blocks[axis + 1:])
   b = as_i32(a)
   n = blocks[axis]
   while n > 1:
     n //= 2
-    pairs = b.reshape(lead, 2, n * trailing)
-    b = as_i32(as_f32(pick(pairs, 0)) + as_f32(pick(pairs, 1)))
+    lo, hi = halves(b.reshape(lead, 2, n * trailing))
+    b = as_i32(as_f32(lo) + as_f32(hi))
   return as_f32(b).reshape(blocks[:axis] + (1,) + blocks[axis + 1:])
 
 
@@ -246,8 +255,8 @@ def butterfly(planes: list[jax.Array], n: int, words: list) -> list[jax.Array]:
   rows run along the rotated axis, 2 for the dual-view kernels' row parities); n a multiple of P. `words`:
   int32 scalars, sign r in bit r % 32 of word r // 32. The same float32 operations in `hadamard.fwht`'s order:
   signs (bit-31 flips), butterfly stages at row distance 1, 2, ..., n/2 (between planes while the distance is
-  below P, then within each plane, pairs picked by exact integer sums), then the 1/sqrt(n) scale. Returns the
-  transformed planes as float32 bits.
+  below P, then within each plane, the two rows of each pair separated by `halves`), then the 1/sqrt(n) scale.
+  Returns the transformed planes as float32 bits.
   """
   count = len(planes)
   h, w = planes[0].shape
@@ -274,10 +283,8 @@ def butterfly(planes: list[jax.Array], n: int, words: list) -> list[jax.Array]:
   for y in planes:
     e = d // count  # the distance in rows of this plane
     while e * count < n:
-      pairs = y.reshape(h // (2 * e), 2, e * w)  # row pairs (i, i + e) of each run of 2e rows
-      lo, hi = as_f32(pick(pairs, 0)), as_f32(pick(pairs, 1))
-      first = jax.lax.broadcasted_iota(jnp.int32, pairs.shape, 1) == 0
-      y = jnp.where(first, as_i32(lo + hi)[:, None, :], as_i32(lo - hi)[:, None, :]).reshape(h, w)
+      lo, hi = map(as_f32, halves(y.reshape(h // (2 * e), 2, e * w)))  # rows (i, i + e) of each run of 2e
+      y = interleave(as_i32(lo + hi), as_i32(lo - hi)).reshape(h, w)
       e *= 2
     out.append(as_i32(as_f32(y) * jnp.float32(1 / math.sqrt(n))))
   return out

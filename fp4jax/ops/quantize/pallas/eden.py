@@ -51,7 +51,7 @@ from fp4jax.numerics.spec import EDEN_GROUP, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
 from fp4jax.ops.quantize.pallas import exact
 from fp4jax.ops.quantize.pallas.common import (F32_ABS, F32_INF, as_f32, as_i32, butterfly, e2m1_magnitude,
-                                               encode_rne, halving_sum, magnitude_and_sign, pick, read_words,
+                                               encode_rne, halving_sum, halves, magnitude_and_sign, read_words,
                                                sign_words)
 
 KERNEL_NAME = "fp4jax_eden_quantize"
@@ -137,7 +137,8 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
   scale = jnp.where(bad, _E4M3_NAN, e4m3_sr_bytes(t, u))
   code = jnp.where(bad, 0, code | sign).reshape(rows // 2, 2, cols)
-  codes_ref[0, :, :] = (pick(code, 0) | (pick(code, 1) << 4)).astype(jnp.uint8)  # [L/2, C]
+  lo, hi = halves(code)
+  codes_ref[0, :, :] = (lo | (hi << 4)).astype(jnp.uint8)  # [L/2, C]
   scales_ref[0, :, :] = scale.astype(jnp.uint8)  # [L/16, C]
   if cfg.targets:
     t_ref[0][0, :, :] = t
