@@ -37,11 +37,12 @@ _SMALL = (QuantTile(32, 64, num_warps=4), QuantTile(32, 32, num_warps=4))
 _CANDIDATES = {
     "rne": (QuantTile(64, 64, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
     "sr": (QuantTile(32, 128, num_warps=4), QuantTile(64, 64, num_warps=4)) + _SMALL,
-    # Column view with a Hadamard transform.
-    "transform": (QuantTile(64, 128, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
-    # NVFP4, SR with a Hadamard column view (the nvfp4 route's dY): the fastest of 8 tiles on the H200; 64 x 128
-    # ("transform"'s choice for MXFP4) took 1.9-2.0x as long (docs/BENCHMARKS.md, 2026-12-04).
-    "sr transform": (QuantTile(128, 64, num_warps=8), QuantTile(32, 64, num_warps=4)) + _SMALL,
+    # Column view with a Hadamard transform (mxfp4_h32's X and dY): 64 x 64 since the butterfly separates its
+    # rows by Triton's split (docs/BENCHMARKS.md, 2026-12-04, 15:40; 64 x 128 before).
+    "transform": (QuantTile(64, 64, num_warps=4), QuantTile(32, 128, num_warps=4)) + _SMALL,
+    # NVFP4, SR with a Hadamard column view (the nvfp4 route's dY): 32 x 64 since the same change (128 x 64 /
+    # 8 warps before, 8-9% slower now).
+    "sr transform": (QuantTile(32, 64, num_warps=4), QuantTile(128, 64, num_warps=8)) + _SMALL,
 }
 
 
