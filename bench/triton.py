@@ -6,7 +6,9 @@ lowering, compiled to PTX and cubin for sm_90 by the `triton` package (not an fp
 
 XLA compiles the same Triton IR with its own Triton build, so the seconds are a proxy; a kernel that is slow here
 (e.g. one pass taking most of the time: rerun with MLIR_ENABLE_TIMING=1) was slow on the H200 too. Prints, per
-kernel: IR size, compile seconds, and from the PTX the shared-memory and shuffle traffic (layout conversions).
+kernel: IR size, compile seconds, and from the PTX the instructions per thread (straight-line kernels, so what
+each thread issues: the quantizers are bound by it, docs/BENCHMARKS.md), the shared-memory and shuffle traffic
+(layout conversions), and the registers and spill stores `ptxas -v` reports (the `triton` package's ptxas).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import subprocess
 import tempfile
 import time
 
@@ -54,6 +57,8 @@ KERNELS = {
     "nv 4/6 row view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 1, OperandKeys(), interpret=False),
     "nv 4/6 column view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 0, OperandKeys(),
                                                    interpret=False),
+    "nv X rne|rne+rht16": lambda x: nvfp4.views(x, _NV, OperandSpec("nvfp4", transform="rht16"), OperandKeys(),
+                                                _keys()),
     "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
                                                _keys()),
     # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
@@ -117,6 +122,27 @@ def compile_ir(ir: str, num_warps: int = 4):
     os.unlink(f.name)
 
 
+_PTX_INSTRUCTION = re.compile(r"^\s+(?:@!?%p\d+\s+)?[a-z]", re.M)  # an opcode line, predicated or not
+
+
+def ptx_instructions(ptx: str) -> int:
+  """Instruction lines of PTX text (directives, labels, braces and comments excluded)."""
+  return len(_PTX_INSTRUCTION.findall(ptx))
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+  """(registers per thread, spill-store bytes) that the `triton` package's ptxas reports for sm_90a PTX."""
+  from triton.backends.nvidia.compiler import get_ptxas  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "kernel.ptx")
+    with open(path, "w") as f:
+      f.write(ptx)
+    report = subprocess.run([get_ptxas().path, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True,
+                            text=True, check=True).stderr
+  registers, spills = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
+  return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
   parser.add_argument("--shape", type=args_lib.shape, default="4096x4096", help="MxK of x (default: %(default)s)")
@@ -142,6 +168,8 @@ def run(args: argparse.Namespace) -> None:
       seconds, kernel = compile_ir(ir, args.num_warps)
       ptx = kernel.asm["ptx"]
       count = lambda pattern: len(re.findall(pattern, ptx))
-      line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines  st/ld.shared "
-               f"{count(r'st\.shared')}/{count(r'ld\.shared')}  shfl {count(r'shfl')}  smem {kernel.metadata.shared} B")
+      registers, spills = ptxas_usage(ptx)
+      line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines, {ptx_instructions(ptx):6d} "
+               f"instructions  st/ld.shared {count(r'st\.shared')}/{count(r'ld\.shared')}  shfl {count(r'shfl')}  "
+               f"smem {kernel.metadata.shared} B  registers {registers} (spills {spills} B)")
     print(line, flush=True)

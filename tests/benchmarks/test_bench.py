@@ -156,6 +156,33 @@ def test_triton_lowers_every_kernel():
     assert "tt.load" in triton.triton_ir(fn, (256, 256)), name
 
 
+def test_ptx_instructions_counts_opcode_lines_only():
+  ptx = """.visible .entry k(
+	.param .u64 k_param_0
+)
+{
+	.reg .b32 	%r<4>;
+$L__BB0_1:
+	// begin inline asm
+	ld.global.b32 { %r1 }, [ %rd1 + 0 ];
+	@%p1 st.global.b8 [ %rd2 + 0 ], %r1;
+	@!%p2 bra 	$L__BB0_1;
+	.loc	1 7 11
+	ret;
+}"""
+  assert triton.ptx_instructions(ptx) == 4  # ld, predicated st, negated-predicate bra, ret
+
+
+def test_triton_reports_instructions_and_registers(capsys):
+  """`bench triton`: per kernel, the PTX instructions per thread and ptxas's registers (needs the `triton`
+  package, not an fp4jax dependency)."""
+  pytest.importorskip("triton")
+  main(["triton", "--shape", "256x256", "mx rne"])
+  out = capsys.readouterr().out
+  instructions, registers = re.search(r"(\d+) instructions .* registers (\d+) \(spills \d+ B\)", out).groups()
+  assert int(instructions) > 100 and 0 < int(registers) <= 255, out
+
+
 def test_program_lowers_for_an_h200_without_one(capsys):
   """`python -m bench program`: the H200 program of fp4_dot (Pallas kernels, FP8 GEMMs writing bf16) from a
   CPU-only machine; its fingerprint ignores SSA names and locations, and is the same on every lowering."""
