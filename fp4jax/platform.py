@@ -1,6 +1,7 @@
 """Which platform JAX is compiling for, where a choice depends on it (the quantizer implementation "auto", the
-fp8 GEMM's output dtype, the attention kernel), and the process-wide set-up the apps (train, bench) call at
-start: XLA flags and JAX's persistent compilation cache.
+fp8 GEMM's output dtype, the attention kernel), and process-wide set-up: the XLA flags and JAX's persistent
+compilation cache the apps (train, bench) start with, and the Triton dialect's module name that the Pallas
+kernels' package registers when it is imported (`alias_triton_dialect_module`).
 
 The default backend answers on a machine with the accelerator; an abstract mesh of GPU devices answers when a
 GPU program is lowered on a machine without one (`python -m bench program`), so both see the same program.
@@ -8,8 +9,10 @@ GPU program is lowered on a machine without one (`python -m bench program`), so 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
+import sys
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -99,3 +102,31 @@ def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Pat
   jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
   compilation_cache.reset_cache()  # JAX opens the directory once per process: a later change needs a reset
   return path
+
+
+# The name under which MLIR's Python bindings look for the Triton ("tt") dialect's module: the first of their
+# dialect search prefixes (`jaxlib.mlir._mlir_libs._mlir.globals.dialect_search_modules`) plus the namespace.
+TRITON_DIALECT_LOOKUP = "jaxlib.mlir.dialects.tt"
+
+
+def alias_triton_dialect_module() -> bool:
+  """Registers JAX's Triton dialect module (`jaxlib.triton.dialect`) as `TRITON_DIALECT_LOOKUP`, where MLIR's
+  Python bindings look for it; returns whether that name now resolves.
+
+  The bindings import a dialect's module by name (each search prefix + the namespace) for every operation the
+  Pallas Triton lowering builds, and remember only an import that succeeded. JAX 0.11.2 ships the "tt" module
+  under no such name, so every op cost three failed imports, each a search of sys.path: about 12k for a
+  Llama-30M nvfp4 step, a third of its lowering (1.05 -> 0.71 s on a 2-core CPU, the same Triton IR;
+  docs/BENCHMARKS.md, 2026-12-04, 15:40). Nothing is replaced: a module that exists under that name is left as
+  it is (False when it is not JAX's), and without JAX's Triton bindings nothing is done.
+  """
+  if TRITON_DIALECT_LOOKUP in sys.modules:
+    return True
+  try:
+    from jax._src.lib import triton  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  if importlib.util.find_spec(TRITON_DIALECT_LOOKUP) is not None:
+    return False
+  sys.modules[TRITON_DIALECT_LOOKUP] = triton.dialect
+  return True

@@ -1,5 +1,6 @@
 """fp4jax.platform: the target platform, the apps' XLA flags and the shared persistent compilation cache."""
 
+import importlib
 import os
 import pathlib
 import subprocess
@@ -111,3 +112,38 @@ def test_compile_initializer_gives_the_jitted_values():
   assert "xla_disable_hlo_passes" in platform.INIT_COMPILER_OPTIONS
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), compiled(key),
                jax.jit(init)(key))
+
+
+def test_the_kernels_package_registers_the_triton_dialect_module():
+  from jax._src.lib import triton  # pylint: disable=g-import-not-at-top
+  importlib.import_module("fp4jax.ops.quantize.pallas")
+  assert sys.modules[platform.TRITON_DIALECT_LOOKUP] is triton.dialect
+  assert platform.alias_triton_dialect_module()
+
+
+def test_lowering_a_kernel_tries_no_missing_dialect_module(monkeypatch):
+  """Without the alias, MLIR's bindings tried three missing "<prefix>.tt" modules per Triton op they built."""
+  import builtins  # pylint: disable=g-import-not-at-top
+  from bench import triton as bench_triton  # pylint: disable=g-import-not-at-top
+  missing, real_import = [], builtins.__import__
+
+  def spy(name, *args, **kwargs):
+    if name.endswith(".tt") and name not in sys.modules:
+      missing.append(name)
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "__import__", spy)
+  assert "tt.store" in bench_triton.triton_ir(bench_triton.KERNELS["mx rne"], (64, 64))
+  assert not missing, missing[:3]
+
+
+def test_triton_dialect_alias_replaces_nothing(monkeypatch):
+  """A module already under the lookup name (imported, or only findable) is left alone."""
+  import types  # pylint: disable=g-import-not-at-top
+  name = platform.TRITON_DIALECT_LOOKUP
+  other = types.ModuleType(name)
+  monkeypatch.setitem(sys.modules, name, other)
+  assert platform.alias_triton_dialect_module() and sys.modules[name] is other
+  monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setattr(platform.importlib.util, "find_spec", lambda n: object() if n == name else None)
+  assert not platform.alias_triton_dialect_module() and name not in sys.modules

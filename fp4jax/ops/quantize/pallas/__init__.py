@@ -36,9 +36,12 @@ from typing import Callable
 
 import jax
 
+from fp4jax import platform
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.spec import ROUNDINGS, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4
+
+platform.alias_triton_dialect_module()  # a third of a step's Pallas lowering time otherwise (its docstring)
 
 # Dual-view kernels by format.
 VIEW_KERNELS: dict[str, Callable[..., tuple[QTensor, QTensor]]] = {
