@@ -47,8 +47,8 @@ def as_i32(v: jax.Array) -> jax.Array:
 def halves(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(a[:, 0, :], a[:, 1, :]) of an [A, 2, B] array. Triton tensors cannot be sliced; `jnp.split` lowers to
   Triton's split (a move of the pair axis into each thread's registers), where picking by a masked sum over
-  the axis compiled to cross-thread reductions (shuffles) and took several times the instructions and the
-  compile time (docs/BENCHMARKS.md, session of 2026-12-04, 15:40)."""
+  the axis compiled to cross-thread reductions (shuffles) and took 1.3-4.5 times the instructions and up to 4
+  times the compile time (docs/BENCHMARKS.md, session of 2026-12-04, 15:40)."""
   lo, hi = jnp.split(a, 2, axis=1)
   return lo.reshape(a.shape[0], a.shape[2]), hi.reshape(a.shape[0], a.shape[2])
 
