@@ -45,15 +45,15 @@ from fp4jax import route as route_lib
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FORMATS
-from fp4jax.numerics.qtensor import QTensor, pack_codes
-from fp4jax.numerics.reference import dequantize
+from fp4jax.numerics.qtensor import QTensor, Quantized, pack_codes
+from fp4jax.numerics.values import dequantize
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated
 from fp4jax.ops.quantize import api as quantize_api
 from fp4jax.route import Route
 
-Operand = QTensor | jax.Array  # A GEMM operand: quantized, or high precision in its K-major layout.
+Operand = Quantized | jax.Array  # A GEMM operand: quantized, or high precision in its K-major layout.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,22 +228,34 @@ def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tup
   return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
 
 
-def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl: Impl) -> Operand:
+def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl: Impl,
+             form: str = "codes") -> Operand:
   """One GEMM operand from a 2-D array `v`, reduced along `axis`, K-major (`axis` last): quantized per `spec`
-  with its role's `keys` (`route.role_keys`), or `v` itself for a high-precision spec."""
+  with its role's `keys` (`route.role_keys`) in `form` (`_form`), or `v` itself for a high-precision spec."""
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
-  return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer)
+  return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer, form=form)
 
 
 def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, keys: tuple[OperandKeys, OperandKeys],
-                   impl: Impl) -> tuple[Operand, Operand]:
+                   impl: Impl, forms: tuple[str, str] = ("codes", "codes")) -> tuple[Operand, Operand]:
   """The two operands read from one 2-D array: `v` along axis 1 (`row`, K-major [R, C]) and along axis 0
   (`col`, K-major [C, R]), e.g. X for fprop and wgrad, dY for dgrad and wgrad, W for dgrad and fprop: from one
-  pass over `v` where a kernel covers both recipes (each with its own rounding and key)."""
+  pass over `v` where a kernel covers both recipes (each with its own rounding and key), in `forms`."""
   if not (row.quantized and col.quantized):
-    return _prepare(v, row, 1, keys[0], impl), _prepare(v, col, 0, keys[1], impl)
-  return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer)
+    return _prepare(v, row, 1, keys[0], impl, forms[0]), _prepare(v, col, 0, keys[1], impl, forms[1])
+  return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer, forms=forms)
+
+
+def _form(spec: OperandSpec, partner: OperandSpec, impl: Impl, first: bool) -> str:
+  """The form to quantize an operand of one GEMM in, the `first` (a) operand or not, that the GEMM reads at
+  once (never a residual: values take 2 bytes an element where codes take half of one): "values" where the
+  backend multiplies bf16 values (`ops.gemm.operand_forms`: Hopper's NVFP4 GEMMs), so the quantizer writes
+  them and no pass decodes codes into them; else "codes"."""
+  if not (spec.quantized and partner.quantized):
+    return "codes"
+  pair = (spec.fmt, partner.fmt) if first else (partner.fmt, spec.fmt)
+  return gemm_lib.operand_forms(*pair, backend=impl.gemm)[0 if first else 1]
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -269,13 +281,14 @@ def _reuses_fprop_w(route: Route) -> bool:
 
 def _gemm(a: Operand, b: Operand, out_dtype, impl: Impl) -> jax.Array:
   """a [R, C] (K-major) times b [S, C]^T -> [R, S]: an FP4 backend GEMM, or a plain dot otherwise."""
-  if isinstance(a, QTensor) and isinstance(b, QTensor):
+  quantized = lambda o: isinstance(o, Quantized)
+  if quantized(a) and quantized(b):
     return gemm_lib.gemm(a, b, out_dtype=out_dtype, backend=impl.gemm)
   dims = (((1,), (1,)), ((), ()))
-  if not isinstance(a, QTensor) and not isinstance(b, QTensor):
+  if not quantized(a) and not quantized(b):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
   # One quantized, one high-precision operand: exact float32 product of the dequantized values.
-  av, bv = (emulated.kmajor_f32(o) if isinstance(o, QTensor) else o.astype(jnp.float32) for o in (a, b))
+  av, bv = (emulated.kmajor_f32(o) if quantized(o) else o.astype(jnp.float32) for o in (a, b))
   return jax.lax.dot_general(av, bv, dims, precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
@@ -292,7 +305,7 @@ def _dot2d(plan: _Plan, x, w, key):
 def _forward(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w"))
-  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl)  # [M, K]
+  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, _form(r.fprop_x, r.fprop_w, plan.impl, True))
   wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
@@ -301,13 +314,15 @@ def _forward(plan: _Plan, x, w, key):
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
+  x_form = _form(r.fprop_x, r.fprop_w, plan.impl, True)  # X's fprop view is read at once; its wgrad view kept
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
-    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl)  # [M, K]
+    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, x_form)  # [M, K]
     wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
     x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl)  # K-major [K, M]
     w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, keys["dgrad_w"], plan.impl)  # K-major [K, N]
   else:
-    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl)
+    xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl,
+                                 (x_form, "codes"))
     if _reuses_fprop_w(r):
       wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)
       w_dgrad = other_orientation(wb)
@@ -322,8 +337,9 @@ def _backward(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
   keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
-  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]),
-                              plan.impl)  # [M, N], [N, M]
+  forms = (_form(r.dgrad_dy, r.dgrad_w, plan.impl, True), _form(r.wgrad_dy, r.wgrad_x, plan.impl, False))
+  dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]), plan.impl,
+                              forms)  # [M, N], [N, M]: both read at once
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
   return dx, dw, None

@@ -9,6 +9,7 @@ import pytest
 from fp4jax import Impl
 from fp4jax.dot import fp4_dot
 from fp4jax.numerics.hadamard import hadamard
+from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import mxfp4, nvfp4
 
@@ -143,3 +144,37 @@ def test_gpu_kernels_match_reference_in_fp4_dot(route):
   out = jax.jit(fwd_bwd(Impl()))(x, w, dy)
   for a, b in zip(ref, out):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("route,shape", [("nvfp4", (64, 64, 32)), ("nvfp4_tile_local", (64, 64, 32)),
+                                         ("quartet2", (256, 128, 128))])
+def test_values_form_matches_codes_in_fp4_dot(route, shape, monkeypatch):
+  """With the Hopper backend's GEMMs ("fp8"), the NVFP4 operands a GEMM reads at once (X's fprop view, dY's two
+  views) are quantized to bf16 values (`ops.gemm.operand_forms`), the NVFP4 dual-view kernel writing them in
+  place of codes: the value and both gradients equal those of quantizing every operand to codes, bit for bit."""
+  m, k, n = shape
+  kx, kw, kk = jax.random.split(jax.random.key(11), 3)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.1).astype(jnp.bfloat16)
+  impl = Impl(quantizer="interpret", gemm="fp8")
+  jax.clear_caches()
+  values = _value_and_grads(route, x, w, kk, impl)
+  monkeypatch.setattr(gemm_lib, "operand_forms", lambda *a, **kw: ("codes", "codes"))
+  jax.clear_caches()  # trace fp4_dot's passes again with codes only
+  codes = _value_and_grads(route, x, w, kk, impl)
+  for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(codes)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_nvfp4_kernels_write_the_values_read_at_once():
+  """nvfp4 on the Hopper backend: X's launch writes its fprop view as values (one output) and its saved wgrad
+  view as codes and scales (two), W's 16x16-tile launch codes (two), dY's launch both views as values."""
+  x, w, g = jnp.ones((128, 128), jnp.bfloat16), jnp.ones((128, 128), jnp.bfloat16), jnp.ones((128, 128),
+                                                                                               jnp.bfloat16)
+  key = jax.random.key(0)
+  impl = Impl(quantizer="interpret", gemm="fp8")
+  jax.clear_caches()
+  jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(lambda x, w: fp4_dot(x, w, route="nvfp4", key=key, impl=impl),
+                                              x, w)[1](g))(x, w).jaxpr
+  outputs = [len(e.outvars) for e in _pallas_calls(jaxpr) if e.params["name"] == nvfp4.KERNEL_NAME]
+  assert outputs == [3, 2, 2]  # X, W, dY

@@ -16,9 +16,28 @@ from fp4jax.numerics.codecs import ELEMENT_DECODERS
 from fp4jax.numerics.formats import FormatSpec, get_format
 
 
+class _AlongOneAxis:
+  """What every quantized operand (`QTensor`, `ScaledValues`) derives from its static `fmt`, `axis`, `shape`."""
+
+  fmt: str
+  axis: int
+  shape: tuple[int, ...]
+
+  @property
+  def spec(self) -> FormatSpec:
+    return get_format(self.fmt)
+
+  @property
+  def kmajor_shape(self) -> tuple[int, ...]:
+    """Shape of the K-major layout (the unpacked codes): the original shape with `axis` moved last."""
+    s = list(self.shape)
+    n = s.pop(self.axis)
+    return (*s, n)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class QTensor:
+class QTensor(_AlongOneAxis):
   """A tensor quantized to FP4 (or FP8) along one axis.
 
   Layout ("K-major"): the quantized axis is moved last, the others keep their order. For `x[M, K]` quantized
@@ -46,17 +65,6 @@ class QTensor:
   fmt: str = dataclasses.field(metadata=dict(static=True))
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def spec(self) -> FormatSpec:
-    return get_format(self.fmt)
-
-  @property
-  def kmajor_shape(self) -> tuple[int, ...]:
-    """Shape of the unpacked codes: the original shape with `axis` moved last."""
-    s = list(self.shape)
-    n = s.pop(self.axis)
-    return (*s, n)
 
   @property
   def nbytes(self) -> int:
@@ -94,3 +102,46 @@ def codes_from_float4(x: jax.Array) -> jax.Array:
   if x.shape[-1] % 2:
     raise ValueError(f"cannot pack an odd number of float4 values along the last axis: {x.shape=}")
   return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScaledValues(_AlongOneAxis):
+  """A 2-D operand quantized along one axis, held as the bf16 values a GEMM on bf16 tensor cores reads:
+  element(code) * block scale per element, the outer factor kept apart (`numerics.values`).
+
+  Exact for the NVFP4 formats: an E2M1 value (2 significant bits) times an E4M3 scale (4) has at most 6
+  significant bits and a magnitude in [2^-10, 6 * 448], inside bf16's 8 bits and range. Hopper has no FP4
+  tensor cores, so its NVFP4 GEMM (`ops.gemm.fp8`) multiplies these values; a quantizer that writes them
+  directly saves the pass that would decode packed codes into them.
+
+  Children (arrays):
+    values: bfloat16 [R, C]: the array's own layout (`transposed` False) or its transpose, NaN over a
+      non-finite block (as `dequantize` gives).
+    outer: float32 decode factor, as `QTensor.outer` (scalar, or one per K-major row).
+  Static:
+    fmt, axis, shape: as `QTensor` (the format, the quantized axis of the original 2-D array, its shape).
+    transposed: whether `values` holds the original array transposed; a view quantized along axis 0 and
+      stored K-major is. A dual-view kernel stores its column view untransposed, in x's layout (a GEMM
+      contracts either axis of a bf16 operand at the same speed), so it never turns a tile.
+  Dequantized value = values * outer, each product rounded once (`values.dequantize`): the QTensor's bits.
+  """
+
+  values: jax.Array
+  outer: jax.Array | None
+  fmt: str = dataclasses.field(metadata=dict(static=True))
+  axis: int = dataclasses.field(metadata=dict(static=True))
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  @property
+  def contracting_dim(self) -> int:
+    """The dim of `values` that runs along the quantized axis: the one a GEMM contracts."""
+    return 1 - self.axis if self.transposed else self.axis
+
+  def kmajor(self) -> jax.Array:
+    """`values` in the K-major layout (a transpose where they are not, which XLA may fold into a GEMM)."""
+    return self.values if self.contracting_dim == 1 else self.values.T
+
+
+Quantized = QTensor | ScaledValues  # an FP4 operand in either form

@@ -1,7 +1,7 @@
 """What every GEMM backend shares: the K-major contraction and the outer factors applied to its result.
 
 A backend is a module with `supports(a, b) -> bool` and `gemm(a, b, *, out_dtype) -> Array` computing
-dequant(a) @ dequant(b).T for 2-D K-major QTensors a [M, K], b [N, K] (docs/ARCHITECTURE.md), with the numbers
+dequant(a) @ dequant(b).T for 2-D K-major operands a [M, K], b [N, K] (docs/ARCHITECTURE.md), with the numbers
 of `emulated`; `registry` maps names to them.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import jax
 
 from fp4jax.numerics import ieee
-from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.qtensor import Quantized
 
 KMAJOR_DOT = (((1,), (1,)), ((), ()))  # a [M, K] . b [N, K] -> [M, N]
 
 
-def apply_outer(out: jax.Array, a: QTensor, b: QTensor) -> jax.Array:
+def apply_outer(out: jax.Array, a: Quantized, b: Quantized) -> jax.Array:
   """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column), each
   product rounded once also for a subnormal factor (`ieee.mul_scale`)."""
   if a.outer is not None:

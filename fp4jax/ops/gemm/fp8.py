@@ -48,13 +48,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fp4jax.numerics import fp8 as encoding
 from fp4jax.numerics import ieee
-from fp4jax.numerics.formats import E2M1_SIGNED_VALUES
-from fp4jax.numerics.qtensor import QTensor
-from fp4jax.numerics.reference import decode_scales
+from fp4jax.numerics.formats import get_format
+from fp4jax.numerics.qtensor import QTensor, Quantized, ScaledValues
+from fp4jax.numerics.values import scaled_values
 from fp4jax.ops.gemm import base
 from fp4jax.ops.gemm.base import KMAJOR_DOT
 from fp4jax.platform import compiles_for_gpu
@@ -98,35 +97,6 @@ def _scale_rows_and_columns(acc: jax.Array, ra: jax.Array, rb: jax.Array) -> jax
   half = e >> 1  # floor(e / 2): both halves stay in [-126, 121], where `ieee.pow2` is exact
   out = acc * ieee.pow2(half) * ieee.pow2(e - half)
   return jnp.where(jnp.isnan(ra)[:, None] | jnp.isnan(rb)[None, :], jnp.nan, out)
-
-
-# float32 [256, 2]: the E2M1 values of a packed byte's low (even element) and high nibble.
-_E2M1_PAIRS = np.array(E2M1_SIGNED_VALUES, np.float32)[np.stack([np.arange(256) & 15, np.arange(256) >> 4], -1)]
-# float32 [256]: the value of each E4M3 scale byte (NaN for 0x7F / 0xFF), decoded by NumPy's float8 type, which
-# rounds nothing (`ieee.e4m3_bits_to_f32` gives the same values: tests/ops/gemm/test_gemm_fp8.py).
-E4M3_SCALES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
-
-
-def _bf16_values(q: QTensor) -> jax.Array:
-  """e2m1(q) * block scale as bf16 [R, K] (exact, see module docstring); the outer factor is left out.
-
-  The E2M1 values come from a lookup of each packed byte (`_E2M1_PAIRS`), not XLA's float4 -> float32
-  conversion: the same numbers, in the form that ran twice as fast as the arithmetic ones for the MXFP4 ->
-  E4M3 re-encode on the H200 (`numerics.fp8._encode_e4m3`). This pass alone is not timed; the nvfp4 step of 12
-  Llama-3-8B blocks went from 429.4 to 420.4 ms with it, within run-to-run noise (docs/BENCHMARKS.md). E4M3
-  block scales are looked up too (`E4M3_SCALES`): their integer decode (`reference.decode_scales`) is a
-  producer XLA:GPU keeps out of a consumer that reads each scale 16 times, so it ran as a fusion of its own,
-  writing and re-reading float32 scales; the lookup fuses into the dequantization (the compiled H200 program).
-  """
-  r, k = q.kmajor_shape
-  b = q.spec.block
-  pairs = jnp.asarray(_E2M1_PAIRS)[q.codes.reshape(r, k // 2).astype(jnp.int32)]  # [R, K/2, 2]
-  vals = pairs.reshape(r, k // b, b)
-  if q.spec.scale == "e4m3":
-    scale = jnp.asarray(E4M3_SCALES)[jax.lax.bitcast_convert_type(q.scales, jnp.uint8).astype(jnp.int32)]
-  else:
-    scale = decode_scales(q.scales, q.spec)  # [R, K/b] float32
-  return (vals * scale[..., None]).reshape(r, k).astype(jnp.bfloat16)
 
 
 def scaled_fp8_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, out_dtype, *,
@@ -207,9 +177,12 @@ def _gemm_tensor_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   return out.astype(out_dtype)
 
 
-def _gemm_bf16(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
-  acc = jax.lax.dot_general(_bf16_values(a), _bf16_values(b), KMAJOR_DOT,
-                            preferred_element_type=jnp.float32)  # [M, N]
+def _gemm_bf16(a: Quantized, b: Quantized, out_dtype) -> jax.Array:
+  """One bf16 GEMM of both operands' `ScaledValues` (decoded in XLA from a QTensor, `numerics.values`, unless
+  the quantizer wrote them), contracting each along its quantized dim, whichever layout it is stored in."""
+  a, b = scaled_values(a), scaled_values(b)
+  dims = (((a.contracting_dim,), (b.contracting_dim,)), ((), ()))
+  acc = jax.lax.dot_general(a.values, b.values, dims, preferred_element_type=jnp.float32)  # [M, N]
   return base.apply_outer(acc, a, b).astype(out_dtype)
 
 
@@ -223,16 +196,25 @@ _GEMMS: dict[tuple[str, str], Callable[[QTensor, QTensor, jnp.dtype], jax.Array]
 }
 
 
-def supports(a: QTensor, b: QTensor) -> bool:
+def reads_values(fmt_a: str, fmt_b: str) -> bool:
+  """Whether this backend multiplies operands of these formats as bf16 `ScaledValues` (`_gemm_bf16`: every
+  pair with an NVFP4 format), so that their quantizer may write those values instead of packed codes."""
+  return _GEMMS.get((get_format(fmt_a).scale, get_format(fmt_b).scale)) is _gemm_bf16
+
+
+def supports(a: Quantized, b: Quantized) -> bool:
   """2-D operands with one K: any pair of MXFP4 / NVFP4 formats (MX x MX on FP8, the rest on bf16), or two FP8
-  operands of a pair cuBLASLt multiplies (`_FP8_PRECISION`: not E5M2 x E5M2)."""
+  operands of a pair cuBLASLt multiplies (`_FP8_PRECISION`: not E5M2 x E5M2). `ScaledValues` only in the
+  pairs multiplied as bf16 values (`reads_values`)."""
   if len(a.shape) != 2 or len(b.shape) != 2 or a.kmajor_shape[1] != b.kmajor_shape[1]:
+    return False
+  if (isinstance(a, ScaledValues) or isinstance(b, ScaledValues)) and not reads_values(a.fmt, b.fmt):
     return False
   kinds = (a.spec.scale, b.spec.scale)
   return kinds in _GEMMS and (kinds != ("none", "none") or (a.spec.element, b.spec.element) in _FP8_PRECISION)
 
 
-def gemm(a: QTensor, b: QTensor, *, out_dtype=jnp.float32) -> jax.Array:
+def gemm(a: Quantized, b: Quantized, *, out_dtype=jnp.float32) -> jax.Array:
   """dequant(a) @ dequant(b).T for K-major a [M, K], b [N, K] on Hopper FP8 / bf16 tensor cores."""
   if not supports(a, b):
     raise ValueError(f"fp8 gemm does not support {a.fmt=} {a.kmajor_shape=} x {b.fmt=} {b.kmajor_shape=}")

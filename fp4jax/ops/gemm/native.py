@@ -63,9 +63,10 @@ def scaled_operand(q: QTensor) -> ScaledOperand:
 
 
 def supports(a: QTensor, b: QTensor) -> bool:
-  """2-D operands with one K and the same scale kind, NVFP4 (blocks of 16) or MXFP4 (blocks of 32)."""
-  return (len(a.shape) == 2 and len(b.shape) == 2 and a.kmajor_shape[1] == b.kmajor_shape[1]
-          and a.spec.scale == b.spec.scale and a.spec.scale in _OPERANDS
+  """2-D QTensors (packed codes, not `ScaledValues`) with one K and the same scale kind, NVFP4 (blocks of 16)
+  or MXFP4 (blocks of 32)."""
+  return (isinstance(a, QTensor) and isinstance(b, QTensor) and len(a.shape) == 2 and len(b.shape) == 2
+          and a.kmajor_shape[1] == b.kmajor_shape[1] and a.spec.scale == b.spec.scale and a.spec.scale in _OPERANDS
           and a.spec.block == b.spec.block == _OPERANDS[a.spec.scale][1])
 
 

@@ -1,7 +1,8 @@
 """The FP4 GEMM backends by name, and the choice among them.
 
-Every backend computes `gemm(a, b, *, out_dtype) = dequant(a) @ dequant(b).T` for K-major QTensors a [M, K],
-b [N, K] with the numbers of "emulated" (`base`). "auto" picks the fastest backend the device generation and
+Every backend computes `gemm(a, b, *, out_dtype) = dequant(a) @ dequant(b).T` for K-major operands a [M, K],
+b [N, K] (QTensors; `ScaledValues` where the backend reads them, `operand_forms`) with the numbers of
+"emulated" (`base`). "auto" picks the fastest backend the device generation and
 the operands allow; a name picks that backend, and fails clearly where it cannot run the operands.
 """
 
@@ -11,7 +12,7 @@ from types import ModuleType
 
 import jax
 
-from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.qtensor import Quantized
 from fp4jax.ops.gemm import emulated, fp8, native
 
 BACKENDS: dict[str, ModuleType] = {"emulated": emulated, "fp8": fp8, "native": native}
@@ -54,7 +55,7 @@ def check_choice(backend: str) -> None:
     raise ValueError(f"unknown GEMM backend {backend!r}; valid: {list(CHOICES)}")
 
 
-def select(a: QTensor, b: QTensor, backend: str = "auto") -> str:
+def select(a: Quantized, b: Quantized, backend: str = "auto") -> str:
   """The backend that runs (a, b): the fastest supporting one for "auto", else `backend` if it supports them."""
   check_choice(backend)
   if backend == "auto":
@@ -68,6 +69,16 @@ def select(a: QTensor, b: QTensor, backend: str = "auto") -> str:
   return backend
 
 
-def gemm(a: QTensor, b: QTensor, *, out_dtype, backend: str = "auto") -> jax.Array:
+def gemm(a: Quantized, b: Quantized, *, out_dtype, backend: str = "auto") -> jax.Array:
   """dequant(a) @ dequant(b).T on `backend` ("auto": the fastest that supports a and b here)."""
   return BACKENDS[select(a, b, backend)].gemm(a, b, out_dtype=out_dtype)
+
+
+def operand_forms(fmt_a: str, fmt_b: str, backend: str = "auto") -> tuple[str, str]:
+  """How to hand the operands of a GEMM of these formats to `backend` ("auto": the first of the device
+  generation's preference): ("values", "values") where it multiplies them as bf16 `ScaledValues` (the Hopper
+  backend's NVFP4 pairs), so that the quantizer writes those instead of packed codes and no pass decodes them;
+  else ("codes", "codes"). Either form gives the same product."""
+  check_choice(backend)
+  name = _PREFERENCE[device_generation()][0] if backend == "auto" else backend
+  return ("values", "values") if name == "fp8" and fp8.reads_values(fmt_a, fmt_b) else ("codes", "codes")

@@ -13,6 +13,12 @@ Both views of one array (`quantize_views`), e.g. X for fprop (along K, the row v
 column view), come from one pass where a dual-view kernel covers both recipes (the FP8 formats: one XLA
 quantization, its transpose the other view); otherwise each view goes through `quantize_operand` on its own.
 The Pallas kernels cover the FP4 formats only: FP8 operands always take the XLA link of the chain.
+
+Forms: a view comes as a QTensor (packed codes, "codes") or as `ScaledValues` ("values": the bf16 values a GEMM
+on bf16 tensor cores reads, what `ops.gemm.operand_forms` asks for on Hopper's NVFP4 pairs). The NVFP4
+dual-view kernel writes values itself (`pallas.nvfp4`); wherever an implementation returns codes for a view
+asked as values, they are decoded here (`numerics.values.scaled_values`), so every form request is met with
+the same numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Callable
 
 import jax
 
-from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.qtensor import QTensor, Quantized
+from fp4jax.numerics.values import scaled_values
 from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_choice
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.platform import compiles_for_gpu
@@ -31,8 +38,9 @@ from fp4jax.platform import compiles_for_gpu
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """views(x, row, col, row_keys, col_keys) -> (row view, column view), or None where it has no two-view
-  pass; operand(x, spec, axis, keys) -> QTensor. Either raises NotImplementedError for an uncovered case."""
+  """views(x, row, col, row_keys, col_keys, forms) -> (row view, column view), or None where it has no
+  two-view pass; operand(x, spec, axis, keys) -> QTensor. Either raises NotImplementedError for an uncovered
+  case. `forms` is a request a kernel may meet (module docstring)."""
 
   views: Callable[..., tuple[QTensor, QTensor]] | None
   operand: Callable[..., QTensor]
@@ -46,6 +54,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "xla": Implementation(xla.views, xla.operand),
 }
 CHOICES = ("auto", *IMPLEMENTATIONS)
+FORMS = ("codes", "values")
 _CHAINS = {"pallas": ("pallas", "xla"), "interpret": ("interpret", "xla"), "xla": ("xla",)}
 
 
@@ -66,17 +75,24 @@ def _check(spec: OperandSpec) -> None:
     raise ValueError(f"quantize needs an OperandSpec with an FP4 format, got {spec!r}")
 
 
+def _as_form(q: Quantized, form: str) -> Quantized:
+  """q in `form` (module docstring): a QTensor asked as "values" is decoded; anything else passes."""
+  return scaled_values(q) if form == "values" and isinstance(q, QTensor) else q
+
+
 def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys = OperandKeys(), *,
-                     implementation: str = "auto") -> QTensor:
+                     implementation: str = "auto", form: str = "codes") -> Quantized:
   """`x` quantized along `axis` per `spec` (after its transform), K-major (`axis` moved last).
 
   keys: the rounding key (SR, MS-EDEN) and the random-Hadamard key, where the spec draws random bits.
+  form: "codes" (a QTensor) or "values" (`ScaledValues` of a 2-D x; module docstring).
   The kernels cover 2-D inputs; other ranks go to "xla".
   """
   _check(spec)
+  check_choice("operand form", form, FORMS)
   for impl in _chain(implementation):
     try:
-      return impl.operand(x, spec, axis, keys)
+      return _as_form(impl.operand(x, spec, axis, keys), form)
     except NotImplementedError:
       continue
   raise AssertionError("the chain ends in 'xla', which covers every spec")
@@ -84,18 +100,23 @@ def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKe
 
 def quantize_views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
                    col_keys: OperandKeys = OperandKeys(), *,
-                   implementation: str = "auto") -> tuple[QTensor, QTensor]:
+                   implementation: str = "auto",
+                   forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized, Quantized]:
   """(x [R, C] along axis 1 per `row`: K-major [R, C]; along axis 0 per `col`: K-major [C, R]), from one pass
   over x where a kernel covers both recipes, else one `quantize_operand` each. Passing one key object as both
-  views' rounding key draws each element's random bits once (same recipe, same numbers)."""
+  views' rounding key draws each element's random bits once (same recipe, same numbers). forms: each view's
+  form, "codes" or "values" (module docstring)."""
   _check(row)
   _check(col)
+  for form in forms:
+    check_choice("operand form", form, FORMS)
   for impl in _chain(implementation):
     if impl.views is None:
       continue
     try:
-      return impl.views(x, row, col, row_keys, col_keys)
+      views = impl.views(x, row, col, row_keys, col_keys, forms=tuple(forms))
     except NotImplementedError:
       continue
-  return (quantize_operand(x, row, 1, row_keys, implementation=implementation),
-          quantize_operand(x, col, 0, col_keys, implementation=implementation))
+    return tuple(_as_form(v, form) for v, form in zip(views, forms))
+  return (quantize_operand(x, row, 1, row_keys, implementation=implementation, form=forms[0]),
+          quantize_operand(x, col, 0, col_keys, implementation=implementation, form=forms[1]))

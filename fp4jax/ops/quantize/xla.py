@@ -27,12 +27,13 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys) -> QT
 
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys,
-          col_keys: OperandKeys) -> tuple[QTensor, QTensor]:
+          col_keys: OperandKeys, forms: tuple[str, str] | None = None) -> tuple[QTensor, QTensor]:
   """(row view along axis 1, column view along axis 0) of a 2-D x from ONE quantization, where one recipe of a
   per-tensor (FP8) format serves both: no blocks and no transform, so the column view holds the row view's values
   transposed (`current_scaling.other_view`), bit for bit `operand(x, col, 0, col_keys)`. Raises
-  NotImplementedError for any other pair (the API then quantizes each view on its own)."""
-  del col_keys  # round to nearest: no random bits
+  NotImplementedError for any other pair (the API then quantizes each view on its own). `forms` is not read:
+  the API decodes values from these codes."""
+  del col_keys, forms  # round to nearest: no random bits
   if row != col or row.transform is not None or FORMATS[row.fmt].block_scaled or x.ndim != 2:
     raise NotImplementedError(f"no single-pass views for {row} | {col}")
   q = operand(x, row, 1, row_keys)

@@ -9,9 +9,9 @@ import pytest
 
 from bench.dot import abs_codes, cublas_fp8_gemms, gemm_targets, random_qtensor
 from fp4jax.numerics import fp8 as fp8_encoding
-from fp4jax.numerics import ieee
-from fp4jax.numerics.qtensor import QTensor
-from fp4jax.numerics.reference import decode_scales, quantize
+from fp4jax.numerics.qtensor import QTensor, ScaledValues
+from fp4jax.numerics.reference import quantize
+from fp4jax.numerics.values import scaled_values
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
@@ -169,29 +169,36 @@ def test_fp8_formats_are_one_cublaslt_fp8_gemm_on_gpu(fmt_a, fmt_b):
   assert gemm_targets(hlo) == ["__cublas$lt$matmul$f8"], gemm_targets(hlo)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_bf16_values_lookup_equals_the_float4_conversion(fmt):
-  """The exact bf16 operands of the NVFP4 path: the packed-byte lookup gives the bits of XLA's float4 ->
-  float32 conversion times the decoded scale, signed zeros, zero blocks and a NaN block included."""
-  x = jax.random.normal(jax.random.key(0), (64, 256)) * jnp.exp2(
-      jax.random.randint(jax.random.key(1), (64, 1), -20, 20).astype(jnp.float32))
-  x = x.at[0, :32].set(0.0).at[2, :32].set(-1e-30).at[1, 3].set(jnp.nan)
-  q = quantize(x, fmt)
-  r, k = q.kmajor_shape
-  b = q.spec.block
-  want = (q.as_float4().astype(jnp.float32).reshape(r, k // b, b)
-          * decode_scales(q.scales, q.spec)[..., None]).reshape(r, k).astype(jnp.bfloat16)
-  got = gemm_fp8._bf16_values(q)
-  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
-                                np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
 
 
-def test_e4m3_scale_table_is_the_bit_decode():
-  """Every byte's entry of the NVFP4 dequantization's scale table equals `ieee.e4m3_bits_to_f32` bit for bit
-  (NaN for 0x7F and 0xFF, subnormals, both signs)."""
-  want = ieee.e4m3_bits_to_f32(jnp.arange(256, dtype=jnp.uint32))
-  got = jnp.asarray(gemm_fp8.E4M3_SCALES)
-  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-  finite = ~np.isnan(np.asarray(want))
-  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint32))[finite],
-                                np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint32))[finite])
+@pytest.mark.parametrize("fmt_a,fmt_b", [("nvfp4", "nvfp4"), ("nvfp4_tile", "nvfp4_tile"), ("mxfp4", "nvfp4")])
+def test_scaled_values_operands_give_the_codes_product(fmt_a, fmt_b):
+  """The bf16 GEMM of NVFP4 pairs takes `ScaledValues` in either layout (K-major, or transposed as a kernel's
+  column view is stored) and gives the product of the same operands as codes: bit for bit where the layouts
+  are those of the codes' values, else within the bound of a different order of float32 sums (XLA:CPU sums a
+  turned left operand in another order)."""
+  m, n, k = 24, 40, 256
+  ka, kb = jax.random.split(jax.random.key(3))
+  a, b = random_qtensor(ka, fmt_a, m, k, span=10), random_qtensor(kb, fmt_b, n, k, span=10)
+  want = np.asarray(gemm_fp8.gemm(a, b, out_dtype=jnp.float32))
+  av, bv = scaled_values(a), scaled_values(b)
+  turned = lambda v: ScaledValues(v.values.T, v.outer, fmt=v.fmt, axis=1, shape=v.shape,
+                                  transposed=True)  # the same values, held [K, R]
+  for pair in ((av, bv), (av, b), (a, turned(bv)), (turned(av), turned(bv)), (turned(av), b)):
+    assert gemm_fp8.supports(*pair)
+    got = np.asarray(gemm_fp8.gemm(*pair, out_dtype=jnp.float32))
+    if getattr(pair[0], "transposed", False):
+      assert np.all(np.abs(got - want) <= _bound(a, b, k))
+    else:
+      np.testing.assert_array_equal(got, want)
+
+
+def test_scaled_values_only_where_the_gemm_reads_values():
+  """An MXFP4 pair runs on FP8 from its codes: values in it are refused, here and by the Blackwell backend."""
+  key = jax.random.key(0)
+  a, b = random_qtensor(key, "mxfp4", 4, 64), random_qtensor(key, "mxfp4", 8, 64)
+  assert not gemm_fp8.supports(scaled_values(a), b)
+  assert gemm_fp8.reads_values("nvfp4", "mxfp4") and not gemm_fp8.reads_values("mxfp4", "mxfp4")
+  nv = random_qtensor(key, "nvfp4", 8, 64)
+  assert gemm_lib.BACKENDS["native"].supports(random_qtensor(key, "nvfp4", 4, 64), nv)
+  assert not gemm_lib.BACKENDS["native"].supports(scaled_values(random_qtensor(key, "nvfp4", 4, 64)), nv)

@@ -7,6 +7,7 @@ import pytest
 
 from fp4jax.numerics.reference import quantize
 from fp4jax.ops import gemm
+from fp4jax.ops.gemm import registry
 
 
 def _data():
@@ -72,3 +73,19 @@ def test_select():
     gemm.select(a, b, "cublas")
   with pytest.raises(ValueError, match="GEMM backend 'native' does not support"):
     gemm.select(a, quantize(w, "nvfp4", axis=0), "native")
+
+
+def test_operand_forms(monkeypatch):
+  """Values where the backend multiplies bf16 values (Hopper's NVFP4 pairs), codes everywhere else; "auto"
+  follows the device generation."""
+  assert gemm.operand_forms("nvfp4", "nvfp4", "fp8") == ("values", "values")
+  assert gemm.operand_forms("mxfp4", "nvfp4_tile", "fp8") == ("values", "values")
+  assert gemm.operand_forms("mxfp4", "mxfp4", "fp8") == ("codes", "codes")
+  assert gemm.operand_forms("nvfp4", "nvfp4", "emulated") == ("codes", "codes")
+  assert gemm.operand_forms("nvfp4", "nvfp4", "native") == ("codes", "codes")
+  assert gemm.operand_forms("nvfp4", "nvfp4") == ("codes", "codes")  # CPU: emulated
+  for generation, want in (("sm90", "values"), ("sm100", "codes")):
+    monkeypatch.setattr(registry, "device_generation", lambda: generation)
+    assert gemm.operand_forms("nvfp4", "nvfp4") == (want, want)
+  with pytest.raises(ValueError, match="unknown GEMM backend"):
+    gemm.operand_forms("nvfp4", "nvfp4", "cublas")

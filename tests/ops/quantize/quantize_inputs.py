@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 from seeded import fresh_rng
 
@@ -81,3 +83,11 @@ def assert_same(got, want) -> None:
     bad = np.argwhere(g != w)
     assert bad.size == 0, (f"{leaf}: {len(bad)} mismatches, first at {bad[:3].tolist()}: "
                            f"{g[tuple(bad[0])]:#x} vs {w[tuple(bad[0])]:#x}")
+
+
+def tile_turns(ir: str) -> int:
+  """`tt.trans` ops of Triton IR that turn a tile: those that only move a size-2 pair axis to or from the minor
+  position (`common.halves` / `interleave`: Triton's split and join) are not counted."""
+  ops = re.findall(r"tt\.trans .*?: tensor<([0-9x]+)x\w+> -> tensor<([0-9x]+)x\w+>", ir)
+  assert len(ops) == ir.count("tt.trans")  # every transpose parsed
+  return sum(not (a.endswith("x2") or b.endswith("x2")) for a, b in ops)

@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax.numerics.qtensor import ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.numerics.values import scaled_values
 from fp4jax.ops.quantize import api, xla
-from quantize_inputs import INPUTS, assert_same, rng_for
+from quantize_inputs import INPUTS, assert_same, bits, rng_for
 
 S = OperandSpec
 MX, MX_NC, MX_SR = S("mxfp4"), S("mxfp4", scale_rule="noclip"), S("mxfp4", "sr")
@@ -210,3 +212,26 @@ def test_bad_input_is_an_error_not_a_fallback(implementation):
     api.quantize_operand(x, S(None), 1, implementation=implementation)
   with pytest.raises(ValueError, match="unknown quantizer implementation 'triton'"):
     api.quantize_operand(x, MX, 0, implementation="triton")
+  with pytest.raises(ValueError, match="unknown operand form 'bf16'"):
+    api.quantize_operand(x, MX, 0, implementation=implementation, form="bf16")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+@pytest.mark.parametrize("row,col", [(S("nvfp4", "sr"), S("nvfp4", "sr", transform="rht16")),
+                                     (MX, S("mxfp4", transform="h32")), (S("nvfp4_46"), S("nvfp4_46"))])
+def test_forms_are_met_whoever_quantizes(implementation, row, col):
+  """Each view comes in the form asked for, whether a kernel wrote its values (NVFP4 1-D blocks) or the API
+  decoded them from codes (XLA, MXFP4, 4/6): the same values as decoding the reference codes."""
+  x = jnp.asarray(INPUTS["heavy"](rng_for("forms", row, col), (64, 128))).astype(jnp.bfloat16)
+  row_keys, col_keys = OperandKeys(jax.random.key(1)), OperandKeys(jax.random.key(2), jax.random.key(3))
+  want = (xla.operand(x, row, 1, row_keys), xla.operand(x, col, 0, col_keys))
+  for forms in (("values", "codes"), ("codes", "values")):
+    got = api.quantize_views(x, row, col, row_keys, col_keys, implementation=implementation, forms=forms)
+    for g, w, form in zip(got, want, forms, strict=True):
+      if form == "codes":
+        assert_same(g, w)
+        continue
+      assert isinstance(g, ScaledValues)
+      np.testing.assert_array_equal(bits(g.kmajor()), bits(scaled_values(w).values))
+  one = api.quantize_operand(x, col, 0, col_keys, implementation=implementation, form="values")
+  np.testing.assert_array_equal(bits(one.kmajor()), bits(scaled_values(want[1]).values))

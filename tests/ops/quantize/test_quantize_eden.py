@@ -2,8 +2,6 @@
 quartet2's dequantized input, a given amax, its coverage, and in its Triton IR the exact divisions and no turned
 outputs. Its bits against the reference in fp4_dot's recipes: test_conformance.py."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,7 @@ from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize import pallas
 from fp4jax.ops.quantize.pallas import eden
-from quantize_inputs import INPUTS, bits, rng_for
+from quantize_inputs import INPUTS, bits, rng_for, tile_turns
 
 KEY, TKEY = jax.random.key(5), jax.random.key(6)
 KEYS = OperandKeys(KEY, TKEY)
@@ -112,21 +110,13 @@ def test_triton_lowering_divides_exactly(triton_modules):
   assert "div.rn.f32" in modules[1] and "mul.rn.f32" in modules[1]
 
 
-def _turns(ir: str) -> int:
-  """`tt.trans` ops of Triton IR that turn a tile: those that only move a size-2 pair axis to or from the minor
-  position (`common.halves` / `interleave`: Triton's split and join) are not counted."""
-  ops = re.findall(r"tt\.trans .*?: tensor<([0-9x]+)x\w+> -> tensor<([0-9x]+)x\w+>", ir)
-  assert len(ops) == ir.count("tt.trans")  # every transpose parsed
-  return sum(not (a.endswith("x2") or b.endswith("x2")) for a, b in ops)
-
-
 @pytest.mark.parametrize("axis, turns", [(1, 1), (0, 0)])
 def test_quantizer_stores_what_it_holds(triton_modules, axis, turns):
   """The quantizer turns no value it stores: only the row view's loaded tile is transposed in registers.
   Transposes of its outputs make XLA's Triton lowering of this kernel an order of magnitude slower to compile
   (docs/BENCHMARKS.md); the codes and scales leave it as held and XLA turns them."""
   modules = triton_modules(lambda x: eden.operand(x, _spec(), axis, KEYS), (256, 256))
-  assert _turns(modules[1]) == turns
+  assert tile_turns(modules[1]) == turns
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -8,17 +8,19 @@ import numpy as np
 import pytest
 
 from fp4jax.numerics import ieee, reference
+from fp4jax.numerics.qtensor import QTensor, ScaledValues
+from fp4jax.numerics.values import scaled_values
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import amax, nvfp4
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
-from quantize_inputs import INPUTS, assert_same, rng_for
+from quantize_inputs import INPUTS, assert_same, bits, rng_for, tile_turns
 
 SHAPE = (64, 128)
 TILE = QuantTile(32, 64, num_warps=4)  # 2 x 2 programs: exercises the tile offsets and the SR counters
 TILE_ROWS = 64  # "nvfp4_tile": 1 row tile per 2 programs along M, 2 column tiles along K
 S = OperandSpec
-NV, NV_SR = S("nvfp4"), S("nvfp4", "sr")
+NV, NV_SR, NV_W = S("nvfp4"), S("nvfp4", "sr"), S("nvfp4", tile_2d=True)
 
 
 def _bf16(a):
@@ -232,3 +234,71 @@ def test_gpu_four_over_six_matches_reference():
     row, col = nvfp4.views(x, spec, spec)
     assert_same(row, xla.operand(x, spec, 1, OperandKeys()))
     assert_same(col, xla.operand(x, spec, 0, OperandKeys()))
+
+
+def _assert_values(got, want_q):
+  """`got` is the ScaledValues of reference QTensor `want_q`: x's layout, the same outer and the same bf16 bits
+  but for the payload of a NaN (the kernel writes 0x7FC0, XLA's decode on a GPU 0x7FFF)."""
+  want = scaled_values(want_q)
+  assert isinstance(got, ScaledValues) and not got.transposed
+  assert (got.fmt, got.axis, got.shape, got.values.shape) == (want.fmt, want.axis, want.shape, got.shape)
+  g, w = np.asarray(got.kmajor(), np.float32), np.asarray(want.kmajor(), np.float32)
+  np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+  np.testing.assert_array_equal(bits(np.where(np.isnan(g), 0, g)), bits(np.where(np.isnan(w), 0, w)))
+  np.testing.assert_array_equal(bits(got.outer), bits(want.outer))
+
+
+@pytest.mark.parametrize("kind,row,col", [
+    ("special", NV_SR, S("nvfp4", "sr", transform="rht16")),  # the nvfp4 route's dY
+    ("nonfinite", NV, S("nvfp4", transform="rht16")),  # its X
+    ("heavy", NV_SR, NV), ("row_spread", S("nvfp4_tile", "sr"), S("nvfp4_tile")), ("normal", NV, NV_SR)])
+@pytest.mark.parametrize("forms", [("values", "values"), ("values", "codes"), ("codes", "values")])
+def test_views_as_values_match_reference(kind, row, col, forms):
+  """A view asked as "values" is written as bf16 element(code) * scale in x's layout, bit for bit the
+  reference QTensor's values (NaN blocks, zeros, huge and tiny blocks, SR, a Hadamard column view, row-tile
+  outers); a view asked as codes next to it is unchanged."""
+  rng = rng_for("nv values", kind, row, col, forms)
+  x = _bf16(INPUTS[kind](rng, SHAPE))
+  opts = dict(tile_rows=TILE_ROWS) if row.fmt == "nvfp4_tile" else {}
+  seed = int(rng.integers(1 << 30))
+  rk, ck = OperandKeys(jax.random.key(seed)), OperandKeys(jax.random.key(seed + 1), jax.random.key(seed + 2))
+  got = nvfp4.views(x, row, col, rk, ck, interpret=True, tile=TILE, forms=forms, **opts)
+  for g, spec, axis, keys, form in zip(got, (row, col), (1, 0), (rk, ck), forms):
+    want = _reference(x, spec, axis, keys, **opts)
+    if form == "values":
+      _assert_values(g, want)
+    else:
+      assert_same(g, want)
+
+
+@pytest.mark.parametrize("row,col", [(S("nvfp4_46"), S("nvfp4_46")), (NV_W, NV_W)])
+def test_values_not_written_for_four_over_six_or_tiles(row, col):
+  """4/6 and 16x16 tiles keep their codes when values are asked for (`ops.quantize.api` decodes them)."""
+  x = _bf16(INPUTS["normal"](rng_for("nv values 46", row), SHAPE))
+  got = nvfp4.views(x, row, col, interpret=True, tile=TILE, forms=("values", "values"))
+  assert all(isinstance(g, QTensor) for g in got)
+
+
+def test_values_launch_stores_no_codes(triton_modules):
+  """Values leave the kernel in x's layout, so the launch that writes them turns no tile (the codes launch
+  turns its column view's codes and scales)."""
+  row, col = NV_SR, S("nvfp4", "sr", transform="rht16")
+  keys = OperandKeys(jax.random.key(0), jax.random.key(1))
+  lower = lambda forms: triton_modules(
+      lambda x: nvfp4.views(x, row, col, keys, keys, forms=forms), (256, 256))
+  values, codes = lower(("values", "values"))[-1], lower(("codes", "codes"))[-1]  # after the rotated amax
+  assert tile_turns(codes) > 0 and tile_turns(values) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row,col", [(NV_SR, S("nvfp4", "sr", transform="rht16")),
+                                     (NV, S("nvfp4", transform="rht16")), (S("nvfp4_tile", "sr"), S("nvfp4_tile"))])
+def test_gpu_views_as_values_match_reference(row, col):
+  """Compiled (default tiles): both views as values, over special, heavy-tailed and non-finite blocks tiled over
+  a larger array, equal the reference QTensors' values bit for bit."""
+  keys = OperandKeys(jax.random.key(5)), OperandKeys(jax.random.key(6), jax.random.key(7))
+  for kind in ("special", "heavy", "nonfinite"):
+    x = _bf16(np.tile(INPUTS[kind](rng_for("gpu values", kind, row), SHAPE), (16, 8)))  # [1024, 1024]
+    got = nvfp4.views(x, row, col, *keys, forms=("values", "values"))
+    for g, spec, axis, k in zip(got, (row, col), (1, 0), keys):
+      _assert_values(g, xla.operand(x, spec, axis, k))

@@ -37,7 +37,7 @@ from typing import Callable
 import jax
 
 from fp4jax import platform
-from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.qtensor import QTensor, Quantized
 from fp4jax.numerics.spec import ROUNDINGS, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4
 
@@ -55,13 +55,20 @@ VIEW_KERNELS: dict[str, Callable[..., tuple[QTensor, QTensor]]] = {
 OPERAND_KERNELS: dict[str, Callable[..., QTensor]] = {"eden": eden.operand}
 
 
+# Dual-view kernels that can write a view as bf16 `ScaledValues` (their `forms=`); the others write codes, which
+# `ops.quantize.api` decodes where values were asked for.
+WRITES_VALUES = (nvfp4.views,)
+
+
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys, col_keys: OperandKeys, *,
-          interpret: bool) -> tuple[QTensor, QTensor]:
-  """(row view along axis 1, column view along axis 0) of a 2-D x from one dual-view kernel."""
+          interpret: bool, forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized, Quantized]:
+  """(row view along axis 1, column view along axis 0) of a 2-D x from one dual-view kernel; `forms` is
+  handed to a kernel of `WRITES_VALUES`."""
   kernel = VIEW_KERNELS.get(row.fmt)
   if kernel is None:
     raise NotImplementedError(f"no dual-view kernel for fmt={row.fmt!r}")
-  return kernel(x, row, col, row_keys, col_keys, interpret=interpret)
+  extra = {"forms": forms} if kernel in WRITES_VALUES else {}
+  return kernel(x, row, col, row_keys, col_keys, interpret=interpret, **extra)
 
 
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool) -> QTensor:

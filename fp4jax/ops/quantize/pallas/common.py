@@ -174,52 +174,88 @@ def pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[in
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
 
 
+def view_values(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
+                block_scale: Callable, codes: Callable) -> tuple[jax.Array, jax.Array]:
+  """The bf16 bits (int32 [h, w] each, in the low half) of element(code) * block scale for the two element sets
+  of `pack_view` (same arguments), instead of their packed codes and scale bytes: the `ScaledValues` of a view.
+
+  block_scale(amax bits) -> (finite, per-block multiplier, scale byte, scale value as float32); the product of
+  an E2M1 magnitude and the scale is exact in float32 and has at most 8 significant bits for the formats that
+  ask (NVFP4: 6), so its upper 16 bits are the bf16 value, truncation exact; the sign comes from code bit 3,
+  and a non-finite block is NaN (0x7FC0), as `reference.dequantize` gives before its outer factor.
+  """
+  amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
+  finite, mul, _, scale = block_scale(amax)
+
+  def bf16(a, sign, r24):
+    c = codes(a, sign, r24, mul)
+    b = (as_i32(e2m1_magnitude(c & 7) * scale) >> 16) | ((c & 8) << 12)
+    return jnp.where(finite, b, 0x7FC0).reshape(a.shape)
+
+  return bf16(abs_lo, sign_lo, r24_lo), bf16(abs_hi, sign_hi, r24_hi)
+
+
+def bf16_words(lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """uint32 words of two bf16 bit patterns (int32, low halves): lo in the low half, x's pair layout."""
+  return jax.lax.bitcast_convert_type((lo & 0xFFFF) | (hi << 16), jnp.uint32)
+
+
 ROW, COLUMN = (True, False), (False, True)  # `write` of a one-view launch
 BOTH = (True, True)
 
 
-def view_outputs(m: int, k: int, t: QuantTile, block: int, write: tuple[bool, bool] = BOTH) -> tuple[tuple, tuple]:
+def view_outputs(m: int, k: int, t: QuantTile, block: int, write: tuple[bool, bool] = BOTH,
+                 values: tuple[bool, bool] = (False, False)) -> tuple[tuple, tuple]:
   """(out_shape, out_specs) of a dual-view kernel on x [M, K] with `block` elements per scale: row codes
   [M/2, 2, K/2], row scales [M/2, 2, K/block], column codes [K/2, 2, M/2], column scales [K/2, 2, M/block],
   each a free reshape of its QTensor array, tiled per program as the x tile [bm/2, 2, bk/2] dictates; only the
-  views `write` (row, column) names."""
+  views `write` (row, column) names. A view in `values` has one output instead of its two: bf16 pairs as
+  uint32 words [M/2, 2, K/2] in x's own layout (`view_values`), for the row and the column view alike."""
   h, w, per = t.block_m // 2, t.block_k // 2, block // 2
-  outs = [((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j)),
-          ((m // 2, 2, k // block), (h, 2, w // per), lambda i, j: (i, 0, j)),
-          ((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i)),
-          ((k // 2, 2, m // block), (w, 2, h // per), lambda i, j: (j, 0, i))]
-  outs = [o for i, o in enumerate(outs) if write[i // 2]]
-  return (tuple(jax.ShapeDtypeStruct(shape, jnp.uint8) for shape, _, _ in outs),
-          tuple(pl.BlockSpec(b, index) for _, b, index in outs))
+  as_x = ((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j), jnp.uint32)
+  outs = [[((m // 2, 2, k // 2), (h, 2, w), lambda i, j: (i, 0, j), jnp.uint8),
+           ((m // 2, 2, k // block), (h, 2, w // per), lambda i, j: (i, 0, j), jnp.uint8)],
+          [((k // 2, 2, m // 2), (w, 2, h), lambda i, j: (j, 0, i), jnp.uint8),
+           ((k // 2, 2, m // block), (w, 2, h // per), lambda i, j: (j, 0, i), jnp.uint8)]]
+  outs = [o for v in range(2) if write[v] for o in ([as_x] if values[v] else outs[v])]
+  return (tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, _, _, dtype in outs),
+          tuple(pl.BlockSpec(b, index) for _, b, index, _ in outs))
 
 
-def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int):
-  """`view_outputs`' four arrays reshaped to the QTensor layouts (free); None stays None (a view not written)."""
+def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int, values: tuple[bool, bool] = (False, False)):
+  """`view_outputs`' arrays reshaped to the QTensor layouts (free); None stays None (a view not written). A
+  view in `values` comes as (bf16 values [M, K] in x's layout, None)."""
   shapes = ((m, k // 2), (m, k // block), (k, m // 2), (k, m // block))
-  return tuple(None if a is None else a.reshape(shape) for a, shape in zip((rc, rs, cc, cs), shapes))
+  out = [None if a is None else a.reshape(shape) for a, shape in zip((rc, rs, cc, cs), shapes)]
+  for v, first in ((0, rc), (1, cc)):
+    if values[v] and first is not None:
+      out[2 * v] = jax.lax.bitcast_convert_type(first, jnp.bfloat16).reshape(m, k)  # [M/2, 2, K/2, 2] -> [M, K]
+  return tuple(out)
 
 
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
-                   name: str, write: tuple[bool, bool] = BOTH):
+                   name: str, write: tuple[bool, bool] = BOTH, values: tuple[bool, bool] = (False, False)):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
 
   The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x as uint32 words of two bf16
-  neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then `view_outputs`' four
-  output refs, None for a view that `write` (row, column) leaves out: the kernel skips that view's work, so a
-  launch for one operand (fp4_dot's `quantize_operand`: quartet2's forward X and W, an evaluation's
-  operands) neither computes nor stores the other. Returns the row codes, row scales, column codes and column
-  scales in the QTensor layouts (None where not written).
+  neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then four output refs (row
+  codes, row scales, column codes, column scales), None for a view that `write` (row, column) leaves out: the
+  kernel skips that view's work, so a launch for one operand (fp4_dot's `quantize_operand`: quartet2's
+  forward X and W, an evaluation's operands) neither computes nor stores the other. A view in `values` gets
+  its values ref (`view_outputs`) in the codes slot and None for the scales. Returns the row codes, row scales,
+  column codes and column scales in the QTensor layouts (None where not written; `view_arrays` for values).
   """
   if not any(write):
     raise ValueError("dual_view_call: write names no view")
   m, k = x.shape
   xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
-  out_shape, out_specs = view_outputs(m, k, t, block, write)
+  out_shape, out_specs = view_outputs(m, k, t, block, write, values)
   n_in = len(params) + 1
+  slots = [write[i // 2] and not (values[i // 2] and i % 2) for i in range(4)]  # which of the four refs exist
 
   def body(*refs):
     outs = iter(refs[n_in:])
-    kernel(*refs[:n_in], *[next(outs) if write[i // 2] else None for i in range(4)])
+    kernel(*refs[:n_in], *[next(outs) if slots[i] else None for i in range(4)])
 
   outs = iter(pl.pallas_call(
       body,
@@ -232,7 +268,7 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
       interpret=interpret,
       name=name,
   )(*[a for a, _ in params], xw))
-  return view_arrays(*[next(outs) if write[i // 2] else None for i in range(4)], m, k, block)
+  return view_arrays(*[next(outs) if slots[i] else None for i in range(4)], m, k, block, values)
 
 
 def sign_words(transform: str | None, key: jax.Array | None, words: int = SIGN_WORDS) -> jax.Array:

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 from fp4jax.numerics import hadamard, ieee, prng, reference
 from fp4jax.numerics.codecs import e4m3_rn_bytes
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, get_format
-from fp4jax.numerics.qtensor import QTensor
+from fp4jax.numerics.qtensor import QTensor, Quantized, ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
 from fp4jax.ops.quantize.pallas import common, exact
@@ -107,6 +107,7 @@ class NvDualConfig:
 
   tile_2d: one scale per 16x16 tile; row_rounding (== col_rounding) and the row seed serve both views.
   write: which views (row, column) the launch computes and stores (`common.dual_view_call`).
+  values: which views are stored as bf16 `ScaledValues` in x's layout (`_values`; 1-D blocks, not 4/6).
   """
 
   fmt: str = "nvfp4"
@@ -117,6 +118,7 @@ class NvDualConfig:
   tile: QuantTile = QuantTile()
   interpret: bool = False
   write: tuple[bool, bool] = common.BOTH
+  values: tuple[bool, bool] = (False, False)
 
 
 def _pick_tile(m: int, k: int, fmt: str, rounding: str, tile_rows: int) -> QuantTile:
@@ -211,6 +213,14 @@ def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, i
                                   lambda a, sign, r24, enc: _codes(a, sign, r24, enc, blocks, rounding))
 
 
+def _values(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
+            rounding: str):
+  """`_view`'s codes and scales as the bf16 bits of element(code) * s_b (`common.view_values`)."""
+  return common.view_values(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks, axis,
+                            lambda amax: _scale_candidate(amax, p_ref),
+                            lambda a, sign, r24, enc: _codes(a, sign, r24, enc, blocks, rounding))
+
+
 def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int, p_ref,
              rounding: str, *, interpret: bool):
   """`_view` under 4/6 (RNE; `reference._four_over_six`): per block the codes for target maxima 6 and 4, their
@@ -292,8 +302,12 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   view = functools.partial(_view_46, interpret=cfg.interpret) if cfg.fmt == "nvfp4_46" else _view
   # Row view: blocks of 16 along K = 8 column pairs; row parity p packs columns (2j, 2j+1).
   for p in range(2 if cfg.write[0] else 0):
-    codes, scales = view(mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1],
-                          (h, w // 8, 8), 2, prow_ref, cfg.row_rounding)
+    sets = (mag[p, 0], mag[p, 1], sign[p, 0], sign[p, 1], r24[p, 0], r24[p, 1], (h, w // 8, 8), 2, prow_ref,
+            cfg.row_rounding)
+    if cfg.values[0]:
+      rc_ref[:, p, :] = common.bf16_words(*_values(*sets))  # [h, w] pairs along K, as x
+      continue
+    codes, scales = view(*sets)
     rc_ref[:, p, :] = codes  # [h, w]
     rs_ref[:, p, :] = scales  # [h, w/8]
   if not cfg.write[1]:
@@ -306,11 +320,18 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
       bits[0, q], bits[1, q] = common.butterfly([bits[0, q], bits[1, q]], n, [negative])
       for p in range(2):
         mag[p, q], sign[p, q] = common.magnitude_and_sign(bits[p, q])
+  values = {}
   for q in range(2):  # column view: blocks of 16 along M = 8 row pairs; column parity q packs rows (2i, 2i+1)
-    codes, scales = view(mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q],
-                          (h // 8, 8, w), 1, pcol_ref, cfg.col_rounding)
+    sets = (mag[0, q], mag[1, q], sign[0, q], sign[1, q], r24[0, q], r24[1, q], (h // 8, 8, w), 1, pcol_ref,
+            cfg.col_rounding)
+    if cfg.values[1]:
+      values[0, q], values[1, q] = _values(*sets)
+      continue
+    codes, scales = view(*sets)
     cc_ref[:, q, :] = codes.T  # [w, h]
     cs_ref[:, q, :] = scales.T  # [w, h/8]
+  for p in range(2 if cfg.values[1] else 0):  # stored untransposed, in x's layout: no tile turns
+    cc_ref[:, p, :] = common.bf16_words(values[p, 0], values[p, 1])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -319,7 +340,8 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
             (prow, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0))),
             (pcol, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)))]
   return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
-                               params, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write)
+                               params, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
+                               values=cfg.values)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
@@ -374,8 +396,8 @@ def _rounding(row: OperandSpec, col: OperandSpec) -> str:
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
           col_keys: OperandKeys = OperandKeys(), *, tensor_amax: jax.Array | None = None, tile_rows: int = 128,
-          tile: QuantTile | None = None, interpret: bool = False,
-          write: tuple[bool, bool] = common.BOTH) -> tuple[QTensor | None, QTensor | None]:
+          tile: QuantTile | None = None, interpret: bool = False, write: tuple[bool, bool] = common.BOTH,
+          forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized | None, Quantized | None]:
   """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
 
   Equal bit for bit to `reference.quantize(x, row.fmt, axis=-1, rounding=row.rounding, key=row_keys.rounding,
@@ -386,8 +408,9 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   comes from a first Pallas pass that runs the same butterfly (`amax.rotated_amax`), and so does the row view's
   then (the same pass, `with_plain`). `write` (row, column):
   the views to compute, None in place of the other (`common.ROW`, `common.COLUMN`: one operand, half the
-  kernel's work, and only the amax pass that view reads). Raises NotImplementedError where `check` does;
-  `interpret=True` runs the kernels in Pallas interpret mode (CPU).
+  kernel's work, and only the amax pass that view reads). `forms` (row, column): a view asked as "values"
+  comes as `ScaledValues` in x's layout where its blocks are 1-D and not 4/6, else as codes. Raises
+  NotImplementedError where `check` does; `interpret=True` runs the kernels in Pallas interpret mode (CPU).
   """
   check(x, row, col, row_keys, col_keys, tile_rows=tile_rows)
   fmt, transform = row.fmt, col.transform
@@ -421,11 +444,16 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   if fmt in _GLOBAL:  # one parameter row serves every program
     prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
     pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
+  values = tuple(bool(w) and f == "values" and not row.tile_2d and fmt != "nvfp4_46" for w, f in zip(write, forms))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
-                     col_transform=transform, tile=tile, interpret=interpret, write=tuple(write))
+                     col_transform=transform, tile=tile, interpret=interpret, write=tuple(write), values=values)
   rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
   e4m3 = jnp.float8_e4m3fn
-  view = lambda codes, scales, outer, axis: QTensor(codes, jax.lax.bitcast_convert_type(scales, e4m3), outer,
-                                                    fmt=fmt, axis=axis, shape=(m, k))
-  return (view(rc, rs, row_outer, 1) if write_row else None,
-          view(cc, cs, col_outer, 0) if write_col else None)
+
+  def view(codes, scales, outer, axis, as_values):
+    if as_values:
+      return ScaledValues(codes, outer, fmt=fmt, axis=axis, shape=(m, k))
+    return QTensor(codes, jax.lax.bitcast_convert_type(scales, e4m3), outer, fmt=fmt, axis=axis, shape=(m, k))
+
+  return (view(rc, rs, row_outer, 1, values[0]) if write_row else None,
+          view(cc, cs, col_outer, 0, values[1]) if write_col else None)
