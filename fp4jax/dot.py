@@ -27,6 +27,9 @@ Implementation (`impl`, an `fp4jax.Impl`): the quantizers come from `ops.quantiz
 kernels on a GPU, else XLA's reference quantizer; the two operands read from one array -- X for fprop and
 wgrad, dY for dgrad and wgrad, W for dgrad and fprop -- from one pass where a kernel covers both recipes), the
 GEMMs from `ops.gemm` ("auto": the fastest backend for the device). Every implementation gives the same bits.
+Where the backend multiplies bf16 values (`ops.gemm.operand_forms`: Hopper's NVFP4 GEMMs), the operands a GEMM
+reads at once -- the fprop views of X and W, both views of dY -- are quantized to `ScaledValues` (`_form`),
+which the NVFP4 kernel writes itself; the residuals stay packed codes.
 """
 
 from __future__ import annotations
@@ -248,10 +251,10 @@ def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, keys: tuple
 
 
 def _form(spec: OperandSpec, partner: OperandSpec, impl: Impl, first: bool) -> str:
-  """The form to quantize an operand of one GEMM in, the `first` (a) operand or not, that the GEMM reads at
-  once (never a residual: values take 2 bytes an element where codes take half of one): "values" where the
-  backend multiplies bf16 values (`ops.gemm.operand_forms`: Hopper's NVFP4 GEMMs), so the quantizer writes
-  them and no pass decodes codes into them; else "codes"."""
+  """The form of an operand that its GEMM (with `partner`; `first`: as its a operand) reads at once, never a
+  residual (values take 2 bytes an element where codes take half of one): "values" where the backend
+  multiplies bf16 values (`ops.gemm.operand_forms`), so the quantizer writes them and no pass decodes codes
+  into them; else "codes"."""
   if not (spec.quantized and partner.quantized):
     return "codes"
   pair = (spec.fmt, partner.fmt) if first else (partner.fmt, spec.fmt)
@@ -306,7 +309,8 @@ def _forward(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w"))
   xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, _form(r.fprop_x, r.fprop_w, plan.impl, True))
-  wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
+  wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl,
+                _form(r.fprop_w, r.fprop_x, plan.impl, False))  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
@@ -314,20 +318,22 @@ def _forward(plan: _Plan, x, w, key):
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
-  x_form = _form(r.fprop_x, r.fprop_w, plan.impl, True)  # X's fprop view is read at once; its wgrad view kept
+  # The fprop views are read at once; the backward's are kept.
+  x_form, w_form = _form(r.fprop_x, r.fprop_w, plan.impl, True), _form(r.fprop_w, r.fprop_x, plan.impl, False)
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
     xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, x_form)  # [M, K]
-    wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)  # K-major [N, K]
+    wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, w_form)  # K-major [N, K]
     x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl)  # K-major [K, M]
     w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, keys["dgrad_w"], plan.impl)  # K-major [K, N]
   else:
     xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl,
                                  (x_form, "codes"))
-    if _reuses_fprop_w(r):
+    if _reuses_fprop_w(r):  # one set of codes serves both GEMMs, kept for dgrad
       wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)
       w_dgrad = other_orientation(wb)
     else:
-      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl)
+      w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl,
+                                   ("codes", w_form))
   saved = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS), (x_wgrad, w_dgrad))
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (*saved, key)
 
