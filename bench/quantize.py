@@ -25,7 +25,9 @@ from bench import timing
 from fp4jax import route as route_lib
 from fp4jax.numerics import fp8 as fp8_encoding
 from fp4jax.numerics import reference
+from fp4jax.numerics.qtensor import QTensor, ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.numerics.values import scaled_values
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import eden, fp8, mxfp4, nvfp4
 from fp4jax.ops.quantize.pallas.fp8 import Fp8Tile
@@ -42,7 +44,8 @@ class Variant:
   re-encoding of both views after it (MXFP4), or MS-EDEN's options (`eden.operand`: both views of dY, each
   its own launch pair). `axis`: one operand only, `row` along that axis (1: the row view, 0: the column view)
   through the dispatch fp4_dot uses for one operand (`ops.quantize.pallas.operand`), or with `eden` through
-  the MS-EDEN kernel of that view itself."""
+  the MS-EDEN kernel of that view itself. `forms`: the NVFP4 kernel's (`nvfp4.views`), a view asked as values
+  checked against the reference's decoded values in x's layout."""
 
   row: OperandSpec
   col: OperandSpec
@@ -50,6 +53,7 @@ class Variant:
   fp8: bool = False
   eden: dict | None = None
   axis: int | None = None
+  forms: tuple[str, str] | None = None
 
 
 _MX, _MX_SR = OperandSpec("mxfp4", scale_rule="ocp"), OperandSpec("mxfp4", "sr", scale_rule="noclip")
@@ -77,6 +81,10 @@ VARIANTS: dict[str, Variant] = {
     "nv X rne|rne+rht16": Variant(_NV, OperandSpec("nvfp4", transform="rht16")),  # the nvfp4 route's X
     "nv dY sr|sr+rht16": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16")),  # and its dY
     "nv W 16x16": Variant(OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),  # and its W
+    # the nvfp4 route's X and dY as fp4_dot quantizes them for Hopper: the views read at once as bf16 values
+    "nv X rne|rne+rht16 values": Variant(_NV, OperandSpec("nvfp4", transform="rht16"), forms=("values", "codes")),
+    "nv dY sr|sr+rht16 values": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"),
+                                        forms=("values", "values")),
     "nv 4/6": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),  # both views in one pass
     # quartet2's forward X (along K) and W (along K = its column view): one view each
     "nv 4/6 row view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=1),
@@ -134,7 +142,8 @@ def _views(v: Variant, x: jax.Array, key: jax.Array, interpret: bool):
     return (pallas.operand(x, v.row, 1, row_keys, interpret=interpret),
             pallas.operand(x, v.col, 0, col_keys, interpret=interpret))
   family = mxfp4 if v.row.fmt == "mxfp4" else nvfp4
-  out = family.views(x, v.row, v.col, row_keys, col_keys, tile=v.tile, interpret=interpret)
+  forms = {} if v.forms is None else {"forms": v.forms}
+  out = family.views(x, v.row, v.col, row_keys, col_keys, tile=v.tile, interpret=interpret, **forms)
   if v.fp8:
     out = (*out, tuple(fp8.mx_to_fp8(q, interpret=interpret) for q in out))
   return out
@@ -146,15 +155,23 @@ def _reference(v: Variant, x: jax.Array, key: jax.Array):
   if v.axis is not None:
     return xla.operand(x, v.row, v.axis, row_keys)
   out = (xla.operand(x, v.row, 1, row_keys), xla.operand(x, v.col, 0, col_keys))
+  if v.forms is not None:
+    out = tuple(_in_x_layout(q) if form == "values" else q for q, form in zip(out, v.forms))
   if v.fp8:
     out = (*out, tuple(fp8_encoding.mx_to_fp8(q) for q in out))
   return out
 
 
+def _in_x_layout(q: QTensor) -> ScaledValues:
+  """A reference view as the NVFP4 kernel stores one asked as values: its bf16 values in x's own layout."""
+  v = scaled_values(q).kmajor()
+  return ScaledValues(v if q.axis == 1 else v.T, q.outer, fmt=q.fmt, axis=q.axis, shape=q.shape)
+
+
 def _mismatches(got, want) -> dict[str, int]:
   """Count of differing elements per output leaf, comparing bit patterns (NaN == NaN)."""
   def as_bits(a):
-    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 4: jnp.uint32}[a.dtype.itemsize])
+    return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
   paths = jax.tree_util.tree_flatten_with_path(got)[0]
   return {jax.tree_util.keystr(p): int(jnp.sum(as_bits(g) != as_bits(w)))
           for (p, g), w in zip(paths, jax.tree.leaves(want))}

@@ -80,9 +80,10 @@ def test_compile_events_single_events_sum_to_the_totals():
 def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
   rc = main(["quantize", "--interpret", "--shapes", "64x128", "--variants",
-             "views dY sr|rne,nv dY sr|rne,sr/noclip+fp8", "--out", str(tmp_path)])
+             "views dY sr|rne,nv dY sr|rne,sr/noclip+fp8,nv dY sr|sr+rht16 values", "--out", str(tmp_path)])
   table = capsys.readouterr().out
   assert rc == 0 and "fused views dY sr|rne" in table and "fused nv dY sr|rne" in table
+  assert "fused nv dY sr|sr+rht16 values" in table
   assert "fused sr/noclip+fp8" in table and "to_fp8 8x16w4" in table
   assert "MISMATCH" not in table and "FAILED" not in table
 
