@@ -30,8 +30,8 @@ from typing import Callable
 import jax
 
 from fp4jax.numerics.qtensor import QTensor, Quantized
-from fp4jax.numerics.values import scaled_values
 from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_choice
+from fp4jax.numerics.values import scaled_values
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.platform import compiles_for_gpu
 

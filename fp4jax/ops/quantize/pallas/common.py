@@ -226,11 +226,15 @@ def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int, values: tuple[bool, 
   """`view_outputs`' arrays reshaped to the QTensor layouts (free); None stays None (a view not written). A
   view in `values` comes as (bf16 values [M, K] in x's layout, None)."""
   shapes = ((m, k // 2), (m, k // block), (k, m // 2), (k, m // block))
-  out = [None if a is None else a.reshape(shape) for a, shape in zip((rc, rs, cc, cs), shapes)]
-  for v, first in ((0, rc), (1, cc)):
-    if values[v] and first is not None:
-      out[2 * v] = jax.lax.bitcast_convert_type(first, jnp.bfloat16).reshape(m, k)  # [M/2, 2, K/2, 2] -> [M, K]
-  return tuple(out)
+
+  def shaped(i, a):
+    if a is None:
+      return None
+    if values[i // 2]:  # the view's values: [M/2, 2, K/2] words -> [M/2, 2, K/2, 2] bf16 -> [M, K]
+      return jax.lax.bitcast_convert_type(a, jnp.bfloat16).reshape(m, k)
+    return a.reshape(shapes[i])
+
+  return tuple(shaped(i, a) for i, a in enumerate((rc, rs, cc, cs)))
 
 
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
