@@ -27,7 +27,7 @@ Implementation (`impl`, an `fp4jax.Impl`): the quantizers come from `ops.quantiz
 kernels on a GPU, else XLA's reference quantizer; the two operands read from one array -- X for fprop and
 wgrad, dY for dgrad and wgrad, W for dgrad and fprop -- from one pass where a kernel covers both recipes), the
 GEMMs from `ops.gemm` ("auto": the fastest backend for the device). Every implementation gives the same bits.
-Where the backend multiplies bf16 values (`ops.gemm.operand_forms`: Hopper's NVFP4 GEMMs), the operands a GEMM
+Where the backend multiplies bf16 values (`ops.gemm.operand_form`: Hopper's NVFP4 GEMMs), the operands a GEMM
 reads at once -- the fprop views of X and W, both views of dY -- are quantized to `ScaledValues` (`_form`),
 which the NVFP4 kernel writes itself; the residuals stay packed codes.
 """
@@ -250,15 +250,14 @@ def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, keys: tuple
   return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer, forms=forms)
 
 
-def _form(spec: OperandSpec, partner: OperandSpec, impl: Impl, first: bool) -> str:
-  """The form of an operand that its GEMM (with `partner`; `first`: as its a operand) reads at once, never a
-  residual (values take 2 bytes an element where codes take half of one): "values" where the backend
-  multiplies bf16 values (`ops.gemm.operand_forms`), so the quantizer writes them and no pass decodes codes
-  into them; else "codes"."""
-  if not (spec.quantized and partner.quantized):
+def _form(a: OperandSpec, b: OperandSpec, impl: Impl) -> str:
+  """The form of the operands of a GEMM of specs a and b that it reads at once, never a residual (values take
+  2 bytes an element where codes take half of one): "values" where the backend multiplies bf16 values
+  (`ops.gemm.operand_form`), so the quantizer writes them and no pass decodes codes into them; else
+  "codes"."""
+  if not (a.quantized and b.quantized):
     return "codes"
-  pair = (spec.fmt, partner.fmt) if first else (partner.fmt, spec.fmt)
-  return gemm_lib.operand_forms(*pair, backend=impl.gemm)[0 if first else 1]
+  return gemm_lib.operand_form(a.fmt, b.fmt, backend=impl.gemm)
 
 
 def other_orientation(q: QTensor) -> QTensor:
@@ -308,9 +307,9 @@ def _dot2d(plan: _Plan, x, w, key):
 def _forward(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w"))
-  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, _form(r.fprop_x, r.fprop_w, plan.impl, True))
-  wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl,
-                _form(r.fprop_w, r.fprop_x, plan.impl, False))  # K-major [N, K]
+  form = _form(r.fprop_x, r.fprop_w, plan.impl)
+  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form)  # [M, K]
+  wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, form)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
 
@@ -318,22 +317,21 @@ def _forward(plan: _Plan, x, w, key):
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
-  # The fprop views are read at once; the backward's are kept.
-  x_form, w_form = _form(r.fprop_x, r.fprop_w, plan.impl, True), _form(r.fprop_w, r.fprop_x, plan.impl, False)
+  form = _form(r.fprop_x, r.fprop_w, plan.impl)  # the fprop views are read at once; the backward's are kept
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
-    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, x_form)  # [M, K]
-    wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, w_form)  # K-major [N, K]
+    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form)  # [M, K]
+    wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, form)  # K-major [N, K]
     x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl)  # K-major [K, M]
     w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, keys["dgrad_w"], plan.impl)  # K-major [K, N]
   else:
     xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl,
-                                 (x_form, "codes"))
+                                 (form, "codes"))
     if _reuses_fprop_w(r):  # one set of codes serves both GEMMs, kept for dgrad
       wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)
       w_dgrad = other_orientation(wb)
     else:
       w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl,
-                                   ("codes", w_form))
+                                   ("codes", form))
   saved = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS), (x_wgrad, w_dgrad))
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (*saved, key)
 
@@ -343,7 +341,7 @@ def _backward(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
   keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
-  forms = (_form(r.dgrad_dy, r.dgrad_w, plan.impl, True), _form(r.wgrad_dy, r.wgrad_x, plan.impl, False))
+  forms = (_form(r.dgrad_dy, r.dgrad_w, plan.impl), _form(r.wgrad_x, r.wgrad_dy, plan.impl))
   dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]), plan.impl,
                               forms)  # [M, N], [N, M]: both read at once
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]

@@ -150,7 +150,7 @@ def test_gpu_kernels_match_reference_in_fp4_dot(route):
                                          ("quartet2", (256, 128, 128))])
 def test_values_form_matches_codes_in_fp4_dot(route, shape, monkeypatch):
   """With the Hopper backend's GEMMs ("fp8"), the NVFP4 operands a GEMM reads at once (X's fprop view, dY's two
-  views) are quantized to bf16 values (`ops.gemm.operand_forms`), the NVFP4 dual-view kernel writing them in
+  views) are quantized to bf16 values (`ops.gemm.operand_form`), the NVFP4 dual-view kernel writing them in
   place of codes: the value and both gradients equal those of quantizing every operand to codes, bit for bit."""
   m, k, n = shape
   kx, kw, kk = jax.random.split(jax.random.key(11), 3)
@@ -159,7 +159,7 @@ def test_values_form_matches_codes_in_fp4_dot(route, shape, monkeypatch):
   impl = Impl(quantizer="interpret", gemm="fp8")
   jax.clear_caches()
   values = _value_and_grads(route, x, w, kk, impl)
-  monkeypatch.setattr(gemm_lib, "operand_forms", lambda *a, **kw: ("codes", "codes"))
+  monkeypatch.setattr(gemm_lib, "operand_form", lambda *a, **kw: "codes")
   jax.clear_caches()  # trace fp4_dot's passes again with codes only
   codes = _value_and_grads(route, x, w, kk, impl)
   for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(codes)):

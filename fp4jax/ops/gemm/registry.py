@@ -1,7 +1,7 @@
 """The FP4 GEMM backends by name, and the choice among them.
 
 Every backend computes `gemm(a, b, *, out_dtype) = dequant(a) @ dequant(b).T` for K-major operands a [M, K],
-b [N, K] (QTensors; `ScaledValues` where the backend reads them, `operand_forms`) with the numbers of
+b [N, K] (QTensors; `ScaledValues` where the backend reads them, `operand_form`) with the numbers of
 "emulated" (`base`). "auto" picks the fastest backend the device generation and
 the operands allow; a name picks that backend, and fails clearly where it cannot run the operands.
 """
@@ -74,11 +74,11 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype, backend: str = "auto") -> jax
   return BACKENDS[select(a, b, backend)].gemm(a, b, out_dtype=out_dtype)
 
 
-def operand_forms(fmt_a: str, fmt_b: str, backend: str = "auto") -> tuple[str, str]:
-  """How to hand the operands of a GEMM of these formats to `backend` ("auto": the first of the device
-  generation's preference): ("values", "values") where it multiplies them as bf16 `ScaledValues` (the Hopper
-  backend's NVFP4 pairs), so that the quantizer writes those instead of packed codes and no pass decodes them;
-  else ("codes", "codes"). Either form gives the same product."""
+def operand_form(fmt_a: str, fmt_b: str, backend: str = "auto") -> str:
+  """How to hand both operands of a GEMM of these formats to `backend` ("auto": the first of the device
+  generation's preference): "values" where it multiplies them as bf16 `ScaledValues` (the Hopper backend's
+  NVFP4 pairs), so that the quantizer writes those instead of packed codes and no pass decodes them; else
+  "codes". Either form gives the same product."""
   check_choice(backend)
   name = _PREFERENCE[device_generation()][0] if backend == "auto" else backend
-  return ("values", "values") if name == "fp8" and fp8.reads_values(fmt_a, fmt_b) else ("codes", "codes")
+  return "values" if name == "fp8" and fp8.reads_values(fmt_a, fmt_b) else "codes"

@@ -15,7 +15,7 @@ quantization, its transpose the other view); otherwise each view goes through `q
 The Pallas kernels cover the FP4 formats only: FP8 operands always take the XLA link of the chain.
 
 Forms: a view comes as a QTensor (packed codes, "codes") or as `ScaledValues` ("values": the bf16 values a GEMM
-on bf16 tensor cores reads, what `ops.gemm.operand_forms` asks for on Hopper's NVFP4 pairs). The NVFP4
+on bf16 tensor cores reads, what `ops.gemm.operand_form` asks for on Hopper's NVFP4 pairs). The NVFP4
 dual-view kernel writes values itself (`pallas.nvfp4`); wherever an implementation returns codes for a view
 asked as values, they are decoded here (`numerics.values.scaled_values`), so every form request is met with
 the same numbers.

@@ -75,17 +75,17 @@ def test_select():
     gemm.select(a, quantize(w, "nvfp4", axis=0), "native")
 
 
-def test_operand_forms(monkeypatch):
+def test_operand_form(monkeypatch):
   """Values where the backend multiplies bf16 values (Hopper's NVFP4 pairs), codes everywhere else; "auto"
   follows the device generation."""
-  assert gemm.operand_forms("nvfp4", "nvfp4", "fp8") == ("values", "values")
-  assert gemm.operand_forms("mxfp4", "nvfp4_tile", "fp8") == ("values", "values")
-  assert gemm.operand_forms("mxfp4", "mxfp4", "fp8") == ("codes", "codes")
-  assert gemm.operand_forms("nvfp4", "nvfp4", "emulated") == ("codes", "codes")
-  assert gemm.operand_forms("nvfp4", "nvfp4", "native") == ("codes", "codes")
-  assert gemm.operand_forms("nvfp4", "nvfp4") == ("codes", "codes")  # CPU: emulated
+  assert gemm.operand_form("nvfp4", "nvfp4", "fp8") == "values"
+  assert gemm.operand_form("mxfp4", "nvfp4_tile", "fp8") == "values"
+  assert gemm.operand_form("mxfp4", "mxfp4", "fp8") == "codes"
+  assert gemm.operand_form("nvfp4", "nvfp4", "emulated") == "codes"
+  assert gemm.operand_form("nvfp4", "nvfp4", "native") == "codes"
+  assert gemm.operand_form("nvfp4", "nvfp4") == "codes"  # CPU: emulated
   for generation, want in (("sm90", "values"), ("sm100", "codes")):
     monkeypatch.setattr(registry, "device_generation", lambda: generation)
-    assert gemm.operand_forms("nvfp4", "nvfp4") == (want, want)
+    assert gemm.operand_form("nvfp4", "nvfp4") == want
   with pytest.raises(ValueError, match="unknown GEMM backend"):
-    gemm.operand_forms("nvfp4", "nvfp4", "cublas")
+    gemm.operand_form("nvfp4", "nvfp4", "cublas")
