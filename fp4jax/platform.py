@@ -111,14 +111,15 @@ TRITON_DIALECT_LOOKUP = "jaxlib.mlir.dialects.tt"
 
 def alias_triton_dialect_module() -> bool:
   """Registers JAX's Triton dialect module (`jaxlib.triton.dialect`) as `TRITON_DIALECT_LOOKUP`, where MLIR's
-  Python bindings look for it; returns whether that name now resolves.
+  Python bindings look for it; returns whether a module is now imported under that name.
 
   The bindings import a dialect's module by name (each search prefix + the namespace) for every operation the
   Pallas Triton lowering builds, and remember only an import that succeeded. JAX 0.11.2 ships the "tt" module
   under no such name, so every op cost three failed imports, each a search of sys.path: about 12k for a
   Llama-30M nvfp4 step, a third of its lowering (1.05 -> 0.71 s on a 2-core CPU, the same Triton IR;
-  docs/BENCHMARKS.md, 2026-12-04, 15:40). Nothing is replaced: a module that exists under that name is left as
-  it is (False when it is not JAX's), and without JAX's Triton bindings nothing is done.
+  docs/BENCHMARKS.md, 2026-12-04, 15:40). Nothing is replaced: a module already imported under that name is
+  kept (True), one that could be imported from there is left to its own import (False), and without JAX's
+  Triton bindings nothing is done (False).
   """
   if TRITON_DIALECT_LOOKUP in sys.modules:
     return True
