@@ -62,28 +62,34 @@ def sylvester(n: int) -> np.ndarray:
   return h
 
 
-def hadamard_signs(kind: str, key: jax.Array | None = None) -> jax.Array:
-  """float32 [n] sign vector (+-1) of `kind`; random kinds draw it from `key`."""
+def _negative_bits(kind: str, key: jax.Array | None):
+  """uint32 [n]: 1 where `kind`'s sign is -1; a NumPy array for fixed signs, drawn from `key` for random ones."""
   spec = _kind(kind)
   if not spec.random_signs:
-    return jnp.asarray(np.tile(np.asarray(D16, np.float32), spec.n // 16))
+    return (np.tile(np.asarray(D16, np.float32), spec.n // 16) < 0).astype(np.uint32)
   if key is None:
     raise ValueError(f"random-sign Hadamard {kind=} needs a key")
   k0, k1 = prng.seed_words(key, prng.STREAM_HADAMARD_SIGNS)
-  bits = prng.hash_bits(k0, k1, jax.lax.iota(jnp.uint32, spec.n))
-  return jnp.where((bits >> 31) == 1, jnp.float32(-1.0), jnp.float32(1.0))
+  return prng.hash_bits(k0, k1, jax.lax.iota(jnp.uint32, spec.n)) >> 31
+
+
+def hadamard_signs(kind: str, key: jax.Array | None = None) -> jax.Array:
+  """float32 [n] sign vector (+-1) of `kind`; random kinds draw it from `key`."""
+  return jnp.where(jnp.asarray(_negative_bits(kind, key)) == 1, jnp.float32(-1.0), jnp.float32(1.0))
 
 
 def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> jax.Array:
   """uint32 [words] bitmask of `kind`'s -1 signs for any n <= 32 * words: sign r is bit r % 32 of word r // 32
-  (words past n are zero): how kernels take the signs."""
-  signs = hadamard_signs(kind, key)
-  n = signs.shape[0]
+  (words past n are zero): how kernels take the signs. Packed by shifts and a sum of distinct powers of two, a
+  handful of XLA instructions (every quantizer launch with a transform builds its words; a scatter-add took a
+  few dozen), and a constant for fixed signs."""
+  n = _kind(kind).n
   if n > 32 * words:
     raise ValueError(f"negative_words: {kind=} has {n} signs, more than {words} words hold")
-  pos = jnp.arange(n, dtype=jnp.uint32)
-  bits = jnp.where(signs < 0, jnp.uint32(1) << (pos % 32), jnp.uint32(0))
-  return jnp.zeros((words,), jnp.uint32).at[pos // 32].add(bits)
+  per = min(n, 32)
+  shifted = (_negative_bits(kind, key) << (np.arange(n, dtype=np.uint32) % 32)).reshape(n // per, per)
+  packed = jnp.asarray(shifted.sum(1, dtype=np.uint32))  # NumPy for fixed signs, XLA for random ones
+  return jnp.concatenate([packed, jnp.zeros((words - n // per,), jnp.uint32)]) if words > n // per else packed
 
 
 def hadamard_matrix(kind: str, key: jax.Array | None = None, *, normalized: bool = True) -> jax.Array:
