@@ -106,6 +106,12 @@ VARIANTS: dict[str, Variant] = {
     "rne 64x128w8": Variant(_MX, _MX, QuantTile(64, 128, num_warps=8)),
     "rne 32x256w4": Variant(_MX, _MX, QuantTile(32, 256, num_warps=4)),
     "sr 64x64w4": Variant(_MX_SR, _MX_SR, QuantTile(64, 64, num_warps=4)),
+    # The nvfp4 route's values launches on other tiles than their defaults (64 x 64 / 4 for X, 32 x 64 / 4 for
+    # dY): the fastest in one round at 8192x28672 (docs/BENCHMARKS.md, 2026-12-04, 19:52), not yet the defaults.
+    "nv X values 32x128w4": Variant(_NV, OperandSpec("nvfp4", transform="rht16"), QuantTile(32, 128, num_warps=4),
+                                    forms=("values", "codes")),
+    "nv dY values 32x256w8": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"),
+                                     QuantTile(32, 256, num_warps=8), forms=("values", "values")),
 }
 # The variants docs/BENCHMARKS.md's tables show (scripts/gpu_bench.sh's default).
 DOC_VARIANTS = ("rne/ocp", "w32x32/noclip/0.87", "views dY sr|rne", "views X rne|rne+h32", "views dY sr|rne+h32",
