@@ -8,13 +8,16 @@ XLA compiles the same Triton IR with its own Triton build, so the seconds are a 
 (e.g. one pass taking most of the time: rerun with MLIR_ENABLE_TIMING=1) was slow on the H200 too. Prints, per
 kernel: IR size, compile seconds, and from the PTX the instructions per thread (straight-line kernels, so what
 each thread issues: the quantizers are bound by it, docs/BENCHMARKS.md), the shared-memory and shuffle traffic
-(layout conversions), and the registers and spill stores `ptxas -v` reports (the `triton` package's ptxas).
+(layout conversions), the registers and spill stores `ptxas -v` reports (the `triton` package's ptxas), and a
+fingerprint of the PTX's code (`ptx_fingerprint`): run before and after a change to the kernels' Python, equal
+fingerprints show on a CPU that the GPU code did not change.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import os
 import re
@@ -61,6 +64,11 @@ KERNELS = {
                                                 _keys()),
     "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
                                                _keys()),
+    # the nvfp4 route's X and dY as fp4_dot launches them on Hopper: the views read at once as bf16 values
+    "nv X values": lambda x: nvfp4.views(x, _NV, OperandSpec("nvfp4", transform="rht16"), OperandKeys(), _keys(),
+                                         forms=("values", "codes")),
+    "nv dY values": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
+                                          _keys(), forms=("values", "values")),
     # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
     "eden col rht128": lambda x: eden.operand(x, _EDEN, 0, _keys(), tensor_amax=1.0),
     "eden row rht128": lambda x: eden.operand(x, _EDEN, 1, _keys(), tensor_amax=1.0),
@@ -130,6 +138,18 @@ def ptx_instructions(ptx: str) -> int:
   return len(_PTX_INSTRUCTION.findall(ptx))
 
 
+_PTX_DEBUG = re.compile(r"^\s*(?:\.loc|\.file|//|\$L__(?:tmp|func_begin|func_end))")
+
+
+def ptx_fingerprint(ptx: str) -> str:
+  """12 hex digits of a hash of the PTX's code: every line but source locations, comments, debug labels and
+  the debug sections, which move with the Python source. A refactor that leaves the GPU code as it was keeps
+  it (docs/BENCHMARKS.md, 2026-12-04, 19:52: tracing the kernels op by op)."""
+  code = re.split(r"^\s*\.section\s+\.debug", ptx, maxsplit=1, flags=re.M)[0]
+  lines = [line for line in code.splitlines() if line.strip() and not _PTX_DEBUG.match(line)]
+  return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
 def ptxas_usage(ptx: str) -> tuple[int, int]:
   """(registers per thread, spill-store bytes) that the `triton` package's ptxas reports for sm_90a PTX."""
   from triton.backends.nvidia.compiler import get_ptxas  # pylint: disable=g-import-not-at-top
@@ -171,5 +191,6 @@ def run(args: argparse.Namespace) -> None:
       registers, spills = ptxas_usage(ptx)
       line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines, {ptx_instructions(ptx):6d} "
                f"instructions  st/ld.shared {count(r'st\.shared')}/{count(r'ld\.shared')}  shfl {count(r'shfl')}  "
-               f"smem {kernel.metadata.shared} B  registers {registers} (spills {spills} B)")
+               f"smem {kernel.metadata.shared} B  registers {registers} (spills {spills} B)  "
+               f"PTX code {ptx_fingerprint(ptx)}")
     print(line, flush=True)

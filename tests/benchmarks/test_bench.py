@@ -174,13 +174,23 @@ $L__BB0_1:
   assert triton.ptx_instructions(ptx) == 4  # ld, predicated st, negated-predicate bra, ret
 
 
+def test_ptx_fingerprint_follows_the_code_not_its_debug_lines():
+  code = "\t.reg .b32 \t%r<4>;\n$L__BB0_1:\n\tld.global.b32 { %r1 }, [ %rd1 + 0 ];\n\t@%p1 bra \t$L__BB0_1;\n\tret;\n"
+  debug = "\t.file\t1 \"/src/kernel.py\"\n\t.loc\t1 {line} 11\n$L__tmp0:\n\t// comment\n"
+  ptx = lambda line, body=code: debug.format(line=line) + body + "\t.section\t.debug_abbrev\n{\n.b8 {line}\n}\n"
+  assert triton.ptx_fingerprint(ptx(7)) == triton.ptx_fingerprint(ptx(9))  # a moved source line: same code
+  assert triton.ptx_fingerprint(ptx(7)) != triton.ptx_fingerprint(ptx(7, code.replace("b32 {", "b16 {")))
+  assert re.fullmatch(r"[0-9a-f]{12}", triton.ptx_fingerprint(ptx(7)))
+
+
 def test_triton_reports_instructions_and_registers(capsys):
   """`bench triton`: per kernel, the PTX instructions per thread and ptxas's registers (needs the `triton`
   package, not an fp4jax dependency)."""
   pytest.importorskip("triton")
   main(["triton", "--shape", "256x256", "mx rne"])
   out = capsys.readouterr().out
-  instructions, registers = re.search(r"(\d+) instructions .* registers (\d+) \(spills \d+ B\)", out).groups()
+  instructions, registers = re.search(r"(\d+) instructions .* registers (\d+) \(spills \d+ B\)  PTX code "
+                                      r"[0-9a-f]{12}", out).groups()
   assert int(instructions) > 100 and 0 < int(registers) <= 255, out
 
 
