@@ -75,9 +75,7 @@ def _negative_bits(kind: str, key: jax.Array | None):
 
 def hadamard_signs(kind: str, key: jax.Array | None = None) -> jax.Array:
   """float32 [n] sign vector (+-1) of `kind`; random kinds draw it from `key` (fixed ones are a constant)."""
-  negative = _negative_bits(kind, key)
-  where = np.where if isinstance(negative, np.ndarray) else jnp.where
-  return jnp.asarray(where(negative == 1, np.float32(-1.0), np.float32(1.0)))
+  return jnp.asarray(np.float32(1.0) - np.float32(2.0) * _negative_bits(kind, key).astype(np.float32))
 
 
 def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> jax.Array:
