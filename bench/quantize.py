@@ -60,6 +60,8 @@ _MX, _MX_SR = OperandSpec("mxfp4", scale_rule="ocp"), OperandSpec("mxfp4", "sr",
 _MX_H32 = OperandSpec("mxfp4", transform="h32")
 _W32 = OperandSpec("mxfp4", tile_2d=True, scale_rule="noclip", clip_fraction=0.87)  # Hu's 32x32 weight tiles
 _NV, _NV_SR = OperandSpec("nvfp4"), OperandSpec("nvfp4", "sr")
+# the nvfp4 route's column views: X's (RNE) and dY's (SR), each after a random Hadamard of size 16
+_NV_RHT16, _NV_SR_RHT16 = OperandSpec("nvfp4", transform="rht16"), OperandSpec("nvfp4", "sr", transform="rht16")
 _NVT, _NVT_SR = OperandSpec("nvfp4_tile"), OperandSpec("nvfp4_tile", "sr")
 _EDEN = OperandSpec("nvfp4", "eden", transform="rht128")
 VARIANTS: dict[str, Variant] = {
@@ -78,13 +80,12 @@ VARIANTS: dict[str, Variant] = {
     "nv dY sr|rne": Variant(_NV_SR, _NV),
     "nvtile rne|rne": Variant(_NVT, _NVT),  # tile-local NVFP4
     "nvtile dY sr|rne": Variant(_NVT_SR, _NVT),
-    "nv X rne|rne+rht16": Variant(_NV, OperandSpec("nvfp4", transform="rht16")),  # the nvfp4 route's X
-    "nv dY sr|sr+rht16": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16")),  # and its dY
+    "nv X rne|rne+rht16": Variant(_NV, _NV_RHT16),  # the nvfp4 route's X
+    "nv dY sr|sr+rht16": Variant(_NV_SR, _NV_SR_RHT16),  # and its dY
     "nv W 16x16": Variant(OperandSpec("nvfp4", tile_2d=True), OperandSpec("nvfp4", tile_2d=True)),  # and its W
     # the nvfp4 route's X and dY as fp4_dot quantizes them for Hopper: the views read at once as bf16 values
-    "nv X rne|rne+rht16 values": Variant(_NV, OperandSpec("nvfp4", transform="rht16"), forms=("values", "codes")),
-    "nv dY sr|sr+rht16 values": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"),
-                                        forms=("values", "values")),
+    "nv X rne|rne+rht16 values": Variant(_NV, _NV_RHT16, forms=("values", "codes")),
+    "nv dY sr|sr+rht16 values": Variant(_NV_SR, _NV_SR_RHT16, forms=("values", "values")),
     "nv 4/6": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46")),  # both views in one pass
     # quartet2's forward X (along K) and W (along K = its column view): one view each
     "nv 4/6 row view": Variant(OperandSpec("nvfp4_46"), OperandSpec("nvfp4_46"), axis=1),
@@ -108,10 +109,9 @@ VARIANTS: dict[str, Variant] = {
     "sr 64x64w4": Variant(_MX_SR, _MX_SR, QuantTile(64, 64, num_warps=4)),
     # The nvfp4 route's values launches on other tiles than their defaults (64 x 64 / 4 for X, 32 x 64 / 4 for
     # dY): the fastest in one round at 8192x28672 (docs/BENCHMARKS.md, 2026-12-04, 19:52), not yet the defaults.
-    "nv X values 32x128w4": Variant(_NV, OperandSpec("nvfp4", transform="rht16"), QuantTile(32, 128, num_warps=4),
-                                    forms=("values", "codes")),
-    "nv dY values 32x256w8": Variant(_NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"),
-                                     QuantTile(32, 256, num_warps=8), forms=("values", "values")),
+    "nv X values 32x128w4": Variant(_NV, _NV_RHT16, QuantTile(32, 128, num_warps=4), forms=("values", "codes")),
+    "nv dY values 32x256w8": Variant(_NV_SR, _NV_SR_RHT16, QuantTile(32, 256, num_warps=8),
+                                     forms=("values", "values")),
 }
 # The variants docs/BENCHMARKS.md's tables show (scripts/gpu_bench.sh's default).
 DOC_VARIANTS = ("rne/ocp", "w32x32/noclip/0.87", "views dY sr|rne", "views X rne|rne+h32", "views dY sr|rne+h32",
