@@ -22,7 +22,7 @@ _TINY = 2.0**-126  # the smallest normal float32
 _SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-149
 
 
-def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False) -> jax.Array:
+def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False, normal_result: bool = False) -> jax.Array:
   """a / b in float32, rounded to nearest even as IEEE 754 specifies (subnormal results included). Broadcasts
   like `/`; NaN, infinities and zeros follow IEEE 754.
 
@@ -37,7 +37,9 @@ def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False) -> jax.Array:
 
   Lifting is most of those operations, so it is skipped where it cannot matter: a NumPy or Python operand (a
   constant numerator) is lifted while tracing, and `b_normal=True` is the caller's promise that b is never
-  subnormal (normal, zero, infinite or NaN), so b enters as it is.
+  subnormal (normal, zero, infinite or NaN), so b enters as it is. `normal_result=True` promises that no
+  quotient is subnormal (a zero, which the float64 -> float32 cast keeps with its sign, is fine): the
+  subnormal assembly, a dozen operations, is left out.
   """
   la, sa = lift(a)
   lb, sb = (jnp.asarray(b, jnp.float32), 0) if b_normal else lift(b)  # a = la * 2^-sa, b = lb * 2^-sb
@@ -46,6 +48,8 @@ def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False) -> jax.Array:
     q = la.astype(jnp.float64) / lb.astype(jnp.float64)
     if not (_is_zero(sa) and _is_zero(sb)):
       q = q * _pow2_f64(jnp.broadcast_to(jnp.asarray(sb) - jnp.asarray(sa), q.shape))  # exact: normal range
+    if normal_result:
+      return q.astype(jnp.float32)
     mag = jnp.abs(q)
     units = jnp.rint(mag * _SUBNORMAL_UNITS)  # subnormal results: RNE to a multiple of 2^-149 (<= 2^23)
     sign = jnp.where(jnp.signbit(q), _SIGN, np.uint32(0))
@@ -67,8 +71,12 @@ def amax_factor(numerator: jax.Array, amax: jax.Array) -> jax.Array:
   """The encode factor a scale-from-amax recipe aims with: fp32(numerator / amax) correctly rounded (`div`),
   1 where amax = 0 (nothing to scale), at most float32 max (an amax so small the quotient overflows); NaN
   stays NaN. NVFP4's S_enc (numerator 448 * 6, over a headroom) and FP8 current scaling's S (the element max)
-  are both this."""
-  s = div(numerator, jnp.where(amax == 0, 1.0, amax))
+  are both this.
+
+  A constant numerator >= 4 (theirs) keeps every quotient normal: amax is at most float32 max, and 4 / float32
+  max > 2^-126; an infinite amax gives 0. So `div` skips its subnormal assembly then."""
+  normal = isinstance(numerator, (np.ndarray, np.generic, float, int)) and bool(np.all(np.asarray(numerator) >= 4))
+  s = div(numerator, jnp.where(amax == 0, 1.0, amax), normal_result=normal)
   return jnp.where(amax == 0, 1.0, jnp.minimum(s, jnp.finfo(jnp.float32).max))
 
 

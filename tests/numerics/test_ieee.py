@@ -73,6 +73,19 @@ def test_div_by_constants_and_normal_divisors():
       lambda b: ieee.div(np.float32(1.0), b), b[:4])
 
 
+def test_normal_result_where_the_quotient_cannot_be_subnormal():
+  """`normal_result=True` (no subnormal assembly) keeps the bits of the general path where its promise holds:
+  a constant numerator >= 4 over any divisor (`amax_factor`'s case: every bit pattern, zero, float32 max, inf,
+  NaN), with fewer operations."""
+  a, b = _cases(11)
+  for num in (np.float32(4.0), np.float32(448.0), np.float32(2688.0 / (17 / 16))):
+    _assert_bits_equal(jax.jit(lambda b, n=num: ieee.div(n, b, normal_result=True))(b),
+                       jax.jit(lambda b, n=num: ieee.div(n, b))(b))
+  eqns = lambda f, *args: len(jax.make_jaxpr(f)(*args).jaxpr.eqns)
+  assert eqns(lambda b: ieee.div(np.float32(4.0), b, normal_result=True), b[:4]) < eqns(
+      lambda b: ieee.div(np.float32(4.0), b), b[:4])
+
+
 def test_lift_of_a_constant_matches_the_traced_lift():
   values = np.concatenate([_SPECIALS, _cases(8, 256)[0]])
   with warnings.catch_warnings():

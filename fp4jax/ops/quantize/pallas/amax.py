@@ -118,10 +118,12 @@ def _fit(size: int, options: tuple[int, ...], at_least: int = 1) -> int | None:
 
 
 def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = None, *, axis: int = 0,
-                 with_plain: bool = False, interpret: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 with_plain: bool = False, interpret: bool = False,
+                 words: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`reference._amax(hadamard(x, transform, axis=axis, key=key))` (of x itself for transform None) from one
   Pallas pass over a 2-D x: float32, NaN if anything is non-finite. Both dims must be multiples of 16.
-  with_plain: returns (that amax, `bf16_amax(x)`), both from the one pass."""
+  with_plain: returns (that amax, `bf16_amax(x)`), both from the one pass. words: `common.sign_words(transform,
+  key)`, where the caller has built them for its own kernel too (one set of instructions drawing the signs)."""
   if x.ndim != 2:
     raise ValueError(f"rotated_amax takes a 2-D x, got {x.shape=}")
   n = hadamard.KINDS[transform].n if transform is not None else 1
@@ -131,7 +133,7 @@ def rotated_amax(x: jax.Array, transform: str | None, key: jax.Array | None = No
     raise ValueError(f"rotated_amax needs dims that are multiples of 16 (and of the transform size along "
                      f"{axis=}): {x.shape=}, {transform=}")
   cfg = AmaxConfig(axis, transform, rows, cols, plain=with_plain, interpret=interpret)
-  return _amax_call(x, common.sign_words(transform, key), cfg)
+  return _amax_call(x, common.sign_words(transform, key) if words is None else words, cfg)
 
 
 def _bf16_abs_bits(x: jax.Array) -> jax.Array:

@@ -210,13 +210,13 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
   other = x.shape[1 - axis]
   cfg = EdenConfig(axis=axis, transform=transform, block_c=_block_c(other, block_c), num_warps=num_warps,
                    targets=targets, interpret=interpret)
+  words = sign_words(transform, transform_key)
   if tensor_amax is None:
-    amax = amax_lib.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret)
+    amax = amax_lib.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret, words=words)
   else:
     amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
   s_dec = reference.eden_decode_scale(amax)
-  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)),
-                            sign_words(transform, transform_key),
+  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)), words,
                             jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], jnp.zeros((1,), jnp.uint32)])
   # To the K-major layout: [other / bc, n, bc] -> [other, n].
   codes, scales, *t = (a.transpose(0, 2, 1).reshape(other, -1) for a in _eden_call(x, params, cfg))

@@ -139,15 +139,26 @@ def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> No
 
 def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int],
                  fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+  """`_params_of`, its steps dropped where both amaxes are scalars (where they do not matter): every launch of
+  a recipe with a tensor-wide S_enc then shares one trace and one lowering of its parameter arithmetic, whatever
+  x's shape and tile."""
+  scalars = all(jnp.ndim(a) == 0 for a in amaxes)
+  return _params_of(tuple(amaxes), roundings, None if scalars else steps, fmt)
+
+
+@functools.partial(jax.jit, static_argnames=("roundings", "steps", "fmt"))
+def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int] | None,
+               fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
   """((row params [P_r, 16], column params [P_c, 16]), (row outer, column outer)) of both views from their
   amaxes (() each, or one per K-major row): one vectorized pass over every program's values, so the divisions
   (`ieee.div`, a few dozen XLA instructions each) appear once per call instead of once per view.
 
   `steps`: K-major rows per program, used to pick each program's S_enc (constant within a program: programs
-  never straddle a row tile). Row: [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4 (4/6's second target), L,
-  0 ...]: q_j = 1 / fp32((1 + j/8) * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`;
+  never straddle a row tile); None for scalar amaxes. Row: [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4
+  (4/6's second target), L, 0 ...]: q_j = 1 / fp32((1 + j/8) * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`;
   `_block_encode` scales back by 2^L). The outers are `reference.nvfp4_outer` of each view's S_enc, per row.
   """
+  steps = steps or (1, 1)  # read for per-row amaxes only
   per_program = [a.reshape(-1)[::step] if a.ndim else a.reshape(1) for a, step in zip(amaxes, steps)]  # [P]
   counts = [int(a.shape[0]) for a in per_program]
   heads = [reference.NV_HEADROOM[r] for r in roundings]
@@ -155,11 +166,16 @@ def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str]
   amax = jnp.concatenate(per_program)  # [P_r + P_c]
   scale_max = get_format(fmt).scale_max
   # reference.nvfp4_encode_scale with each view's headroom: the numerator fp32(scale_max / H * 6) per program
-  s = ieee.amax_factor(column([np.float32(scale_max / h * E2M1_MAX) for h in heads]), amax)
+  numerators = column([np.float32(scale_max / h * E2M1_MAX) for h in heads])
+  s = ieee.amax_factor(numerators, amax)
   outer = reference.nvfp4_outer(s)
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
   o, shift = ieee.lift(outer)  # outer * 2^L, normal
-  q = ieee.div(np.float32(1.0), o[:, None] * _MANTISSAS[None, :], b_normal=True)  # [P, 8]; o is normal
+  # [P, 8]: each q is normal, zero or NaN, as `normal_result` asks. o * (1 + j/8) is >= 2^-126 (o normal) and
+  # <= 1.875 / S_enc <= 1.875 * float32 max / numerator, so q >= numerator / (1.875 * float32 max) > 2^-126
+  # for numerators >= 8 (theirs are >= 1445); or o is infinite (S_enc = 0: q = 0) or NaN.
+  assert numerators.min() >= 8, numerators
+  q = ieee.div(np.float32(1.0), o[:, None] * _MANTISSAS[None, :], b_normal=True, normal_result=True)
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
   pad = np.zeros((s.shape[0], _N_PARAMS - 12), np.float32)
   params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
@@ -336,9 +352,12 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, cfg: NvDualConfig):
+  # One parameter row for every program (a global S_enc), or one per row / column block.
+  row_map, col_map = ((lambda i, j: (0, 0),) * 2 if cfg.fmt in _GLOBAL else
+                      (lambda i, j: (i, 0), lambda i, j: (j, 0)))
   params = [(seeds, pl.BlockSpec((5,), lambda i, j: (0,))),
-            (prow, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (i, 0))),
-            (pcol, pl.BlockSpec((1, _N_PARAMS), lambda i, j: (j, 0)))]
+            (prow, pl.BlockSpec((1, _N_PARAMS), row_map)),
+            (pcol, pl.BlockSpec((1, _N_PARAMS), col_map))]
   return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
                                params, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
                                values=cfg.values)
@@ -425,14 +444,14 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   row_key, col_key = row_keys.rounding, col_keys.rounding
   if row.tile_2d:
     col_key = row_key  # one draw per element serves both views (`check` made sure they share the key)
-  mask = common.sign_words(transform, col_keys.transform, 1)
-  seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), mask])
+  words = common.sign_words(transform, col_keys.transform)  # the kernel reads the first (transforms <= 32)
+  seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), words[:1]])
   write_row, write_col = write
   if fmt in _GLOBAL:
     rotated = transform is not None and write_col
     if rotated:  # the rotated view's own amax (and the row view's, from the same read): a Pallas pass first
       amaxes = amax_lib.rotated_amax(x, transform, col_keys.transform, axis=0, with_plain=write_row,
-                                     interpret=interpret)
+                                     interpret=interpret, words=words)
       col_amax, row_amax = amaxes if write_row else (amaxes, amaxes)  # a view not written: any parameters do
     else:
       row_amax = col_amax = (amax_lib.bf16_amax(x) if tensor_amax is None else
@@ -441,9 +460,6 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = _view_params((row_amax, col_amax), (row.rounding, col.rounding),
                                                      (tile.block_m, tile.block_k), fmt)
-  if fmt in _GLOBAL:  # one parameter row serves every program
-    prow = jnp.broadcast_to(prow, (m // tile.block_m, _N_PARAMS))
-    pcol = jnp.broadcast_to(pcol, (k // tile.block_k, _N_PARAMS))
   values = tuple(bool(w) and f == "values" and not row.tile_2d and fmt != "nvfp4_46" for w, f in zip(write, forms))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
                      col_transform=transform, tile=tile, interpret=interpret, write=tuple(write), values=values)
