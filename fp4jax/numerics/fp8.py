@@ -203,12 +203,28 @@ def tensor_exponent(scales: jax.Array) -> jax.Array:
   return jnp.max(row_exponent(scales))
 
 
-def exponents(scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(e_row [R], e_T, tensor span ok) of uint8 E8M0 `scales` [R, K/32]: `row_exponent`, `tensor_exponent` and
-  `tensor_span_ok` in one set of reductions, for a GEMM that picks per-row or per-tensor factors at run time."""
-  e_row = row_exponent(scales)
+class Exponents(NamedTuple):
+  """What a GEMM that picks per-row or per-tensor factors at run time needs of one operand's uint8 E8M0 `scales`
+  [R, K/32] (`exponents`): e_row int32 [R] (`row_exponent`), row_scale float32 [R] (`row_factors`), e_t the
+  int32 e_T (`tensor_exponent`), ok the bool `tensor_span_ok`."""
+
+  e_row: jax.Array
+  row_scale: jax.Array
+  e_t: jax.Array
+  ok: jax.Array
+
+
+def exponents(scales: jax.Array) -> Exponents:
+  """`Exponents` of uint8 E8M0 `scales` [R, K/32] from reductions along each row, then over the rows' results:
+  XLA fuses each stage into one kernel, where reducing the whole tensor at once took kernels of its own (a
+  GEMM's glue is the bulk of an FP4 step's distinct kernels, each compiled on the step's first call)."""
+  s = scales.astype(jnp.int32)
+  nan = s == E8M0_NAN
+  e_row = jnp.maximum(jnp.max(jnp.where(nan, 0, s), axis=-1) - E8M0_BIAS, E_ROW_MIN)  # row_exponent
+  row_low = jnp.min(jnp.where(nan, E8M0_NAN, s), axis=-1) - E8M0_BIAS  # _lowest_exponent along the rows
+  row_scale = jnp.where(jnp.any(nan, axis=-1), jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))
   e_t = jnp.max(e_row)  # the floor commutes with the max: tensor_exponent
-  return e_row, e_t, e_t - _lowest_exponent(scales, None) <= MAX_EXACT_SPAN
+  return Exponents(e_row, row_scale, e_t, e_t - jnp.min(row_low) <= MAX_EXACT_SPAN)
 
 
 def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:
@@ -233,4 +249,4 @@ def fp8_values(q: QTensor, e_ref: jax.Array) -> jax.Array:
 
 def tensor_span_ok(q: QTensor) -> jax.Array:
   """bool scalar: the whole tensor encodes exactly with one factor (e_T - e_b <= 14 for every finite block)."""
-  return exponents(q.scales)[2]
+  return exponents(q.scales).ok

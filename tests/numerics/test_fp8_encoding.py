@@ -37,22 +37,24 @@ def _with_scales(scales: np.ndarray):
 
 @pytest.mark.parametrize("span", [13, 14, 15, 40])
 def test_exponents_match_their_definitions(span):
-  """`exponents`: e_row (NaN blocks ignored, floored at -120), e_T and the whole tensor's span <= 14, from one set
-  of reductions, against numpy; with NaN blocks and a row below the floor."""
+  """`exponents`: e_row (NaN blocks ignored, floored at -120), the row factors (NaN in rows with a NaN block), e_T
+  and the whole tensor's span <= 14, against numpy; with NaN blocks and a row below the floor."""
   rng = np.random.default_rng(span)
   scales = rng.integers(120, 121 + span, (6, 8)).astype(np.uint8)
   scales[0, 0], scales[1, :3] = 120 + span, 120  # the span is reached
   scales[2, 5], scales[3, 1] = 255, 255  # NaN blocks
   scales[4] = rng.integers(0, 5, 8)  # below 2^-120: floored; it widens the tensor's span
-  e_row, e_t, ok = jax.jit(fp8.exponents)(jnp.asarray(scales))
+  e_row, row_scale, e_t, ok = jax.jit(fp8.exponents)(jnp.asarray(scales))
   finite = np.where(scales == 255, -1, scales.astype(np.int64))
   want_rows = np.maximum(finite.max(axis=1) - 127, fp8.E_ROW_MIN)
   np.testing.assert_array_equal(np.asarray(e_row), want_rows)
+  want_scales = np.where((scales == 255).any(axis=1), np.nan, np.ldexp(np.float32(1), want_rows - 6))
+  np.testing.assert_array_equal(np.asarray(row_scale), want_scales.astype(np.float32))
   assert int(e_t) == want_rows.max() == int(fp8.tensor_exponent(jnp.asarray(scales)))
   lo = np.where(scales == 255, 255, scales).astype(np.int64).min() - 127
   assert bool(ok) == (want_rows.max() - lo <= 14) == bool(fp8.tensor_span_ok(_with_scales(scales)))
   scales[4] = 121
-  assert bool(jax.jit(fp8.exponents)(jnp.asarray(scales))[2]) == (span <= 14)
+  assert bool(jax.jit(fp8.exponents)(jnp.asarray(scales)).ok) == (span <= 14)
 
 
 def test_mx_to_fp8_beyond_span_14_rounds_small_blocks():
