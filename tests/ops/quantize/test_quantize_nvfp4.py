@@ -12,7 +12,7 @@ from fp4jax.numerics.qtensor import QTensor, ScaledValues
 from fp4jax.numerics.values import scaled_values
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize import pallas, xla
-from fp4jax.ops.quantize.pallas import amax, nvfp4
+from fp4jax.ops.quantize.pallas import amax, nvfp4, params
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 from quantize_inputs import INPUTS, assert_same, bits, rng_for, tile_turns
 
@@ -122,9 +122,9 @@ def test_block_encode_is_the_exact_quotient(s_enc):
   sf = jnp.asarray(np.arange(0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32))
   outer = ieee.div(jnp.float32(1.0), jnp.float32(s_enc))
   o, shift = ieee.lift(outer)
-  q = ieee.div(jnp.float32(1.0), o * jnp.asarray(nvfp4._MANTISSAS))  # pylint: disable=protected-access
-  params = jnp.zeros((1, 16)).at[0, 1:9].set(q).at[0, nvfp4._SHIFT_SLOT].set(shift)  # pylint: disable=protected-access
-  got = nvfp4._block_encode(sf, params)  # pylint: disable=protected-access
+  q = ieee.div(jnp.float32(1.0), o * jnp.asarray(params.MANTISSAS))
+  row = jnp.zeros((1, 16)).at[0, 1:9].set(q).at[0, params.SHIFT_SLOT].set(shift)
+  got = nvfp4._block_encode(sf, row)  # pylint: disable=protected-access
   want = reference.nv_block_encode(sf, outer)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
   # TE's IEEE float32 order, wherever s_b * outer is a normal float32 (numpy keeps subnormals: no flush).

@@ -77,13 +77,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4jax.numerics import hadamard, ieee, prng, reference
+from fp4jax.numerics import hadamard, prng
 from fp4jax.numerics.codecs import e4m3_rn_bytes
-from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, get_format
+from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.numerics.qtensor import QTensor, Quantized, ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
-from fp4jax.ops.quantize.pallas import common, exact
+from fp4jax.ops.quantize.pallas import common, exact, params
 from fp4jax.ops.quantize.pallas.tiling import QuantTile, default_tile
 
 KERNEL_NAME = "fp4jax_nvfp4_quantize_dual"
@@ -95,10 +95,8 @@ TRANSFORMS = ("h16", "h32", "rht16", "rht32")  # column-view Hadamards (one sign
 
 _E4M3_NAN = 0x7F
 _F32_MAX = float(np.finfo(np.float32).max)
-# Per-view parameter row handed to each program (`_view_params`; a power-of-two width).
-_N_PARAMS = 16
-_S_ENC_SLOT, _G4_SLOT, _SHIFT_SLOT = 9, 10, 11
-_MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 significands, exact in float32
+_N_PARAMS, _S_ENC_SLOT, _G4_SLOT, _SHIFT_SLOT = (params.N_PARAMS, params.S_ENC_SLOT, params.G4_SLOT,
+                                                  params.SHIFT_SLOT)  # the parameter row (`params`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,54 +133,6 @@ def _check_tile(tile: QuantTile, m: int, k: int, fmt: str, tile_rows: int) -> No
   if fmt == "nvfp4_tile" and (tile_rows % tile.block_m or tile_rows % tile.block_k):
     raise ValueError(f"{fmt=} needs {tile_rows=} to be a multiple of the kernel tile "
                      f"(block_m={tile.block_m}, block_k={tile.block_k})")
-
-
-def _view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int],
-                 fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-  """`_params_of`, its steps dropped where both amaxes are scalars (where they do not matter): every launch of
-  a recipe with a tensor-wide S_enc then shares one trace and one lowering of its parameter arithmetic, whatever
-  x's shape and tile."""
-  scalars = all(jnp.ndim(a) == 0 for a in amaxes)
-  return _params_of(tuple(amaxes), roundings, None if scalars else steps, fmt)
-
-
-@functools.partial(jax.jit, static_argnames=("roundings", "steps", "fmt"))
-def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int] | None,
-               fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-  """((row params [P_r, 16], column params [P_c, 16]), (row outer, column outer)) of both views from their
-  amaxes (() each, or one per K-major row): one vectorized pass over every program's values, so the divisions
-  (`ieee.div`, a few dozen XLA instructions each) appear once per call instead of once per view.
-
-  `steps`: K-major rows per program, used to pick each program's S_enc (constant within a program: programs
-  never straddle a row tile); None for scalar amaxes. Row: [g = S_enc * c, q_0 .. q_7, S_enc, g4 = S_enc * c4
-  (4/6's second target), L, 0 ...]: q_j = 1 / fp32((1 + j/8) * outer * 2^L), L = 64 where outer is subnormal, else 0 (`ieee.lift`;
-  `_block_encode` scales back by 2^L). The outers are `reference.nvfp4_outer` of each view's S_enc, per row.
-  """
-  steps = steps or (1, 1)  # read for per-row amaxes only
-  per_program = [a.reshape(-1)[::step] if a.ndim else a.reshape(1) for a, step in zip(amaxes, steps)]  # [P]
-  counts = [int(a.shape[0]) for a in per_program]
-  heads = [reference.NV_HEADROOM[r] for r in roundings]
-  column = lambda values: np.concatenate([np.full((n,), v, np.float32) for n, v in zip(counts, values)])
-  amax = jnp.concatenate(per_program)  # [P_r + P_c]
-  scale_max = get_format(fmt).scale_max
-  # reference.nvfp4_encode_scale with each view's headroom: the numerator fp32(scale_max / H * 6) per program
-  numerators = column([np.float32(scale_max / h * E2M1_MAX) for h in heads])
-  s = ieee.amax_factor(numerators, amax)
-  outer = reference.nvfp4_outer(s)
-  g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
-  o, shift = ieee.lift(outer)  # outer * 2^L, normal
-  # [P, 8]: each q is normal, zero or NaN, as `normal_result` asks. o * (1 + j/8) is >= 2^-126 (o normal) and
-  # <= 1.875 / S_enc <= 1.875 * float32 max / numerator, so q >= numerator / (1.875 * float32 max) > 2^-126
-  # for numerators >= 8 (theirs are >= 1445); or o is infinite (S_enc = 0: q = 0) or NaN.
-  assert numerators.min() >= 8, numerators
-  q = ieee.div(np.float32(1.0), o[:, None] * _MANTISSAS[None, :], b_normal=True, normal_result=True)
-  g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
-  pad = np.zeros((s.shape[0], _N_PARAMS - 12), np.float32)
-  params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
-  split = lambda v: (v[:counts[0]], v[counts[0]:])
-  outers = tuple(o.reshape(()) if a.ndim == 0 else jnp.repeat(o, step)  # per program -> per K-major row
-                 for o, a, step in zip(split(outer), amaxes, steps))
-  return split(params), outers
 
 
 def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
@@ -296,7 +246,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
   sign word (`common.sign_words`). prow_ref / pcol_ref: float32
-  [1, 16] parameter rows (`_view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
+  [1, 16] parameter rows (`params.view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
   the even column in the low half. Outputs, parity split out as in `mxfp4`: row codes [bm/2, 2, bk/2],
   row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
   """
@@ -458,7 +408,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
                              jnp.asarray(tensor_amax, jnp.float32).reshape(()))
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
-  (prow, pcol), (row_outer, col_outer) = _view_params((row_amax, col_amax), (row.rounding, col.rounding),
+  (prow, pcol), (row_outer, col_outer) = params.view_params((row_amax, col_amax), (row.rounding, col.rounding),
                                                      (tile.block_m, tile.block_k), fmt)
   values = tuple(bool(w) and f == "values" and not row.tile_2d and fmt != "nvfp4_46" for w, f in zip(write, forms))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
