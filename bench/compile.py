@@ -32,6 +32,10 @@ GEMM autotuning has no device to time its candidates on: with autotuning on, XLA
 machines compile the same kernels. The seconds follow this machine's CPUs (the per-kernel work runs on
 `--xla_gpu_force_compilation_parallelism` threads, one per usable CPU), so compare routes within one machine.
 
+Each row of a compiled step (a GPU, or `--h200 --xla`) ends with `xla kernels N`: the distinct kernels XLA
+generated for the program's fusions (`xla_kernels`), each lowered and run through ptxas, besides the Pallas
+kernels' launch configurations.
+
 `--h200 --triton` compiles each distinct Pallas kernel's Triton IR for sm_90 with the `triton` package (not an
 fp4jax dependency: `pip install triton==3.5.1`) and prints the count, total and slowest seconds: a CPU proxy for
 the Triton share of XLA's compile (XLA compiles the same IR with its own Triton build, as `bench triton` says).
@@ -155,6 +159,23 @@ def inlined_size(hlo_text: str) -> int:
     return sizes[name]
 
   return size(entry) if entry else 0
+
+
+_FUSION = re.compile(r"^\s*%?([\w.\-]+) = .*? fusion\(")
+
+
+def xla_kernels(compiled_hlo_text: str) -> int:
+  """Distinct kernels XLA generates for a compiled program's fusions (text of `compiled.as_text()`): one per
+  fusion, less those marked `deduplicated_name` (they launch another fusion's kernel). Each is lowered and run
+  through ptxas on the first call, so the count tracks the compile phase's code generation (docs/BENCHMARKS.md,
+  "CPU session of 2026-12-04")."""
+  names = set()
+  for line in compiled_hlo_text.splitlines():
+    m = _FUSION.match(line)
+    if m:
+      shared = re.search(r'deduplicated_name="([^"]+)"', line)
+      names.add(shared.group(1) if shared else m.group(1))
+  return len(names)
 
 
 class CompileEvent(NamedTuple):
@@ -288,7 +309,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     elif not lowering_only:
       lowered.compile()
       compile_s = time.perf_counter() - t2
-    compiled_hlo = lowered.compile().as_text() if keep_hlo and compile_s is not None else None  # no recompile
+    compiled_hlo = lowered.compile().as_text() if compile_s is not None else None  # no recompile
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -297,7 +318,8 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
           "singles": singles[:passes],
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
-          "compiled_hlo": compiled_hlo}
+          "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
+          "compiled_hlo": compiled_hlo if keep_hlo else None}
 
 
 def _line(name: str, p: dict) -> str:
@@ -306,6 +328,8 @@ def _line(name: str, p: dict) -> str:
   line = (f"  {name:44s} trace {p['trace']:6.1f} s  lower {p['lower']:6.1f} s  compile {compiled} s{first}  "
           f"pallas kernels {p['sites']} sites / {p['distinct']} distinct IR / {p['launches']} launch configs  "
           f"hlo {p['hlo'] / 1e3:.1f}k")
+  if p.get("xla_kernels") is not None:
+    line += f"  xla kernels {p['xla_kernels']}"
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
   lines = [line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))]
@@ -315,7 +339,7 @@ def _line(name: str, p: dict) -> str:
   return "\n".join(lines)
 
 
-_ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo")
+_ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels")
 
 
 def _row(name: str, route: str, phases: dict) -> dict:

@@ -77,6 +77,25 @@ def test_compile_events_single_events_sum_to_the_totals():
   assert [e.seconds for e in singles] == sorted((e.seconds for e in singles), reverse=True)
 
 
+def test_xla_kernels_counts_fusions_once_each():
+  """`xla_kernels`: a fusion marked deduplicated_name launches another's kernel; tuple-shaped fusions count; the
+  fused computations' own instructions and custom calls do not. On a real compile: at least one kernel."""
+  text = "\n".join([
+      "%fused_add (p: f32[4]) -> f32[4] {",
+      "  ROOT %add.1 = f32[4]{0} add(%p, %p)",
+      "}",
+      "ENTRY %main (a: f32[4]) -> f32[4] {",
+      '  %loop_add_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add',
+      '  %loop_add_fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add.1, '
+      'metadata={deduplicated_name="loop_add_fusion"}',
+      '  %input_reduce_fusion = (f32[], f32[4]{0}) fusion(%a), kind=kInput, calls=%fused_reduce',
+      '  %cublas-gemm.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%a), custom_call_target="__cublas$gemm"',
+      "}"])
+  assert compile_bench.xla_kernels(text) == 2
+  compiled = jax.jit(lambda a: jnp.sin(a) + jnp.sum(a)).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower()
+  assert compile_bench.xla_kernels(compiled.compile().as_text()) >= 1
+
+
 def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   # The per-view and NVFP4 variants check bit for bit against the reference, here in interpret mode.
   rc = main(["quantize", "--interpret", "--shapes", "64x128", "--variants",
