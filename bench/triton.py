@@ -38,6 +38,7 @@ from train.errors import UserError
 
 _MX, _MX_SR = OperandSpec("mxfp4"), OperandSpec("mxfp4", "sr")
 _NV, _NV_SR = OperandSpec("nvfp4"), OperandSpec("nvfp4", "sr")
+_NV_RHT16, _NV_SR_RHT16 = OperandSpec("nvfp4", transform="rht16"), OperandSpec("nvfp4", "sr", transform="rht16")
 _EDEN = OperandSpec("nvfp4", "eden", transform="rht128")
 _W32 = OperandSpec("mxfp4", tile_2d=True, scale_rule="noclip", clip_fraction=0.87)
 
@@ -60,15 +61,11 @@ KERNELS = {
     "nv 4/6 row view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 1, OperandKeys(), interpret=False),
     "nv 4/6 column view": lambda x: pallas.operand(x, OperandSpec("nvfp4_46"), 0, OperandKeys(),
                                                    interpret=False),
-    "nv X rne|rne+rht16": lambda x: nvfp4.views(x, _NV, OperandSpec("nvfp4", transform="rht16"), OperandKeys(),
-                                                _keys()),
-    "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
-                                               _keys()),
+    "nv X rne|rne+rht16": lambda x: nvfp4.views(x, _NV, _NV_RHT16, OperandKeys(), _keys()),
+    "nv dY sr|sr+rht16": lambda x: nvfp4.views(x, _NV_SR, _NV_SR_RHT16, _keys(), _keys()),
     # the nvfp4 route's X and dY as fp4_dot launches them on Hopper: the views read at once as bf16 values
-    "nv X values": lambda x: nvfp4.views(x, _NV, OperandSpec("nvfp4", transform="rht16"), OperandKeys(), _keys(),
-                                         forms=("values", "codes")),
-    "nv dY values": lambda x: nvfp4.views(x, _NV_SR, OperandSpec("nvfp4", "sr", transform="rht16"), _keys(),
-                                          _keys(), forms=("values", "values")),
+    "nv X values": lambda x: nvfp4.views(x, _NV, _NV_RHT16, OperandKeys(), _keys(), forms=("values", "codes")),
+    "nv dY values": lambda x: nvfp4.views(x, _NV_SR, _NV_SR_RHT16, _keys(), _keys(), forms=("values", "values")),
     # MS-EDEN: the quantizer alone (given amax) and its rotated-amax pre-pass, each view.
     "eden col rht128": lambda x: eden.operand(x, _EDEN, 0, _keys(), tensor_amax=1.0),
     "eden row rht128": lambda x: eden.operand(x, _EDEN, 1, _keys(), tensor_amax=1.0),

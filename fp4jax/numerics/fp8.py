@@ -218,13 +218,10 @@ def exponents(scales: jax.Array) -> Exponents:
   """`Exponents` of uint8 E8M0 `scales` [R, K/32] from reductions along each row, then over the rows' results:
   XLA fuses each stage into one kernel, where reducing the whole tensor at once took kernels of its own (a
   GEMM's glue is the bulk of an FP4 step's distinct kernels, each compiled on the step's first call)."""
-  s = scales.astype(jnp.int32)
-  nan = s == E8M0_NAN
-  e_row = jnp.maximum(jnp.max(jnp.where(nan, 0, s), axis=-1) - E8M0_BIAS, E_ROW_MIN)  # row_exponent
-  row_low = jnp.min(jnp.where(nan, E8M0_NAN, s), axis=-1) - E8M0_BIAS  # _lowest_exponent along the rows
-  row_scale = jnp.where(jnp.any(nan, axis=-1), jnp.float32(jnp.nan), ieee.pow2(e_row - FP8_HEADROOM))
+  e_row = row_exponent(scales)
   e_t = jnp.max(e_row)  # the floor commutes with the max: tensor_exponent
-  return Exponents(e_row, row_scale, e_t, e_t - jnp.min(row_low) <= MAX_EXACT_SPAN)
+  ok = e_t - jnp.min(_lowest_exponent(scales, -1)) <= MAX_EXACT_SPAN
+  return Exponents(e_row, row_factors(scales, e_row), e_t, ok)
 
 
 def fp8_tensor_operand(q: QTensor) -> tuple[jax.Array, jax.Array]:

@@ -220,7 +220,7 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype=jnp.float32) -> jax.Array:
   """dequant(a) @ dequant(b).T for K-major a [M, K], b [N, K] on Hopper FP8 / bf16 tensor cores.
 
   Jitted so that the GEMMs of one operand-shape pair in a program share one trace and one lowering of their
-  glue (a scanned Llama-30M mxfp4 step's trace + lower: 1.61 -> 1.43 s on CPU, docs/BENCHMARKS.md)."""
+  glue (docs/BENCHMARKS.md, "CPU session of 2026-12-04")."""
   if not supports(a, b):
     raise ValueError(f"fp8 gemm does not support {a.fmt=} {a.kmajor_shape=} x {b.fmt=} {b.kmajor_shape=}")
   return _GEMMS[(a.spec.scale, b.spec.scale)](a, b, out_dtype)

@@ -95,8 +95,6 @@ TRANSFORMS = ("h16", "h32", "rht16", "rht32")  # column-view Hadamards (one sign
 
 _E4M3_NAN = 0x7F
 _F32_MAX = float(np.finfo(np.float32).max)
-_N_PARAMS, _S_ENC_SLOT, _G4_SLOT, _SHIFT_SLOT = (params.N_PARAMS, params.S_ENC_SLOT, params.G4_SLOT,
-                                                  params.SHIFT_SLOT)  # the parameter row (`params`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,14 +140,14 @@ def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
   q = p_ref[0, 1]
   for i in range(1, 8):
     q = jnp.where(j == i, p_ref[0, 1 + i], q)
-  shift = p_ref[0, _SHIFT_SLOT].astype(jnp.int32)
+  shift = p_ref[0, params.SHIFT_SLOT].astype(jnp.int32)
   pow2 = jax.lax.bitcast_convert_type((254 + shift - (b >> 23)) << 23, jnp.float32)  # exact: a normal 2^(L - e)
   return jnp.where(sf == 0, 0.0, jnp.minimum(q * pow2, _F32_MAX))
 
 
 def _scale_candidate(amax: jax.Array, p_ref, slot: int = 0):
   """(ok, enc_b, E4M3 scale byte, its value) of scale units with int32 amax bits `amax` aiming at the target
-  whose g = S_enc * c is in parameter `slot` (0: 6, _G4_SLOT: 4/6's 4). ok is False for a non-finite unit or
+  whose g = S_enc * c is in parameter `slot` (0: 6, params.G4_SLOT: 4/6's 4). ok is False for a non-finite unit or
   a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes."""
   g = p_ref[0, slot]
   ok = (amax < common.F32_INF) & (g == g)
@@ -195,9 +193,9 @@ def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int
   del r24_lo, r24_hi, rounding  # RNE only
   amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
   xs = [jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) for a in (abs_lo, abs_hi)]
-  targets = [exact.mul_rn(x, p_ref[0, _S_ENC_SLOT], interpret=interpret) for x in xs]
+  targets = [exact.mul_rn(x, p_ref[0, params.S_ENC_SLOT], interpret=interpret) for x in xs]
   candidates = []
-  for slot in (0, _G4_SLOT):
+  for slot in (0, params.G4_SLOT):
     ok, enc, byte, sf = _scale_candidate(amax, p_ref, slot)
     mags = [common.encode_rne(jnp.minimum(x * enc, E2M1_MAX), None) for x in xs]
     # q * s_b is exact (a 2-bit E2M1 value times an E4M3 one). Block element e = 2j + parity: the reference's
@@ -305,11 +303,11 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
   # One parameter row for every program (a global S_enc), or one per row / column block.
   row_map, col_map = ((lambda i, j: (0, 0),) * 2 if cfg.fmt in _GLOBAL else
                       (lambda i, j: (i, 0), lambda i, j: (j, 0)))
-  params = [(seeds, pl.BlockSpec((5,), lambda i, j: (0,))),
-            (prow, pl.BlockSpec((1, _N_PARAMS), row_map)),
-            (pcol, pl.BlockSpec((1, _N_PARAMS), col_map))]
+  inputs = [(seeds, pl.BlockSpec((5,), lambda i, j: (0,))),
+            (prow, pl.BlockSpec((1, params.N_PARAMS), row_map)),
+            (pcol, pl.BlockSpec((1, params.N_PARAMS), col_map))]
   return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
-                               params, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
+                               inputs, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
                                values=cfg.values)
 
 
@@ -409,7 +407,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = params.view_params((row_amax, col_amax), (row.rounding, col.rounding),
-                                                     (tile.block_m, tile.block_k), fmt)
+                                                            (tile.block_m, tile.block_k), fmt)
   values = tuple(bool(w) and f == "values" and not row.tile_2d and fmt != "nvfp4_46" for w, f in zip(write, forms))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
                      col_transform=transform, tile=tile, interpret=interpret, write=tuple(write), values=values)
