@@ -146,6 +146,7 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   lcfg = llama_config(cfg, tok.vocab_size)
   for _, sub in route_configs(cfg):
     route_rules(sub, lcfg.n_layers)
+  check_kernels(cfg)
   mesh = check_mesh(cfg)
   for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
     check_param_sharding(sub, lcfg, mesh)
@@ -153,6 +154,15 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   if cfg.data.eval_sources:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
   return tok
+
+
+def check_kernels(cfg: config_lib.Config) -> None:
+  """Fails with a UserError if `kernels` asks for what this JAX backend cannot run (`Impl.resolved`: the Pallas
+  kernels compiled for a GPU on another backend), which fp4_dot would otherwise find only when compiling."""
+  try:
+    cfg.kernels.impl().resolved()
+  except ValueError as err:
+    raise UserError(f"kernels: {err}") from err
 
 
 def route_rules(cfg: config_lib.Config, n_layers: int):

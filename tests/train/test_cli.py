@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from train import data
@@ -51,6 +52,9 @@ def _args(tmp_path, *sets: str) -> list[str]:
     (["optim.schedule=linear"], "optim.schedule='linear' must be one of ['cosine', 'wsd']"),
     (["data.sources=[/nonexistent/*.txt]"], "data.sources: '/nonexistent/*.txt' matches no files"),
     (["run.mesh=[3, 1]"], "run.mesh=[3, 1] does not cover the 1 device(s)"),
+    pytest.param(["kernels.quantizer=pallas"], "kernels: Impl(quantizer='pallas') compiles the Pallas kernels for "
+                 "a GPU, but JAX's default backend is not one",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU backend runs them")),
     (["optim.lrr=1"], "unknown key(s) ['optim.lrr']"),
     (["rules.extra=[layer\\.0\\..*=bf16]"], "rules.extra: route rules 'layer\\.0\\..*=bf16' decide the route of no "
                                           "linear"),
