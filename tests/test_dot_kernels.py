@@ -1,11 +1,18 @@
 """fp4_dot through the fused Pallas quantizers: the reference quantizers' numbers, one kernel launch per array
 where a kernel covers both of its views, and no kernel with Impl(quantizer="xla")."""
 
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench import compile as compile_bench
 from fp4jax import Impl
 from fp4jax.dot import fp4_dot
 from fp4jax.numerics.hadamard import hadamard
@@ -178,3 +185,43 @@ def test_nvfp4_kernels_write_the_values_read_at_once():
                                               x, w)[1](g))(x, w).jaxpr
   outputs = [len(e.outvars) for e in _pallas_calls(jaxpr) if e.params["name"] == nvfp4.KERNEL_NAME]
   assert outputs == [3, 2, 2]  # X, W, dY
+
+
+_H200_PTX = """
+import jax, jax.numpy as jnp
+from bench import compile as compile_bench
+from fp4jax import Impl, fp4_dot
+key = jax.eval_shape(lambda: jax.random.key(0))
+mesh = compile_bench._deviceless_h200()
+for route in ("nvfp4", "nvfp4_tile_local", "quartet2", "mxfp4"):
+  for impl in (Impl(), Impl(quantizer="xla")):
+    def f(x, w, dy, key, impl=impl, route=route):
+      y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=impl), x, w)
+      return y, *vjp(dy)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 512), (512, 384), (256, 384))] + [key]
+    with jax.set_mesh(mesh):
+      jax.jit(f).trace(*compile_bench._on(mesh, args)).lower().compile()
+"""
+
+
+@pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
+def test_h200_programs_divide_exactly(tmp_path):
+  """The PTX that XLA:GPU compiles for an H200 (no GPU needed) of fp4_dot's forward and backward, kernels and
+  reference alike, holds no approximate division or reciprocal: the NVFP4 set-up divides correctly rounded
+  (`ieee.div`), and a quotient narrowed to XLA's approximate float32 division once broke the kernels' bits on
+  the H200 (docs/BENCHMARKS.md, "H200 session of 2026-12-05"). And the Pallas kernels' float32 arithmetic
+  keeps subnormals (no `.ftz` instruction), as `pallas.nvfp4`'s exactness argument needs."""
+  flags = f"--xla_gpu_autotune_level=0 --xla_dump_to={tmp_path} --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*"
+  env = {**os.environ, "XLA_FLAGS": flags, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+  done = subprocess.run([sys.executable, "-c", _H200_PTX], capture_output=True, text=True, env=env,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert done.returncode == 0, done.stderr[-2000:]
+  modules = [p.read_text() for p in tmp_path.glob("*.ptx")]
+  ptx = "\n".join(modules)
+  assert "div.rn.f64" in ptx  # the PTX was read: ieee.div's float64 division is there
+  approximate = re.findall(r"\b(?:rcp|div)\.(?:approx|full)(?:\.ftz)?\.f32\b", ptx)
+  assert not approximate, f"{len(approximate)} approximate divisions: {sorted(set(approximate))}"
+  kernels = [m for m in modules if ".entry fp4jax_" in m]
+  names = {re.search(r"\.entry (fp4jax_[a-z0-9]+_?[a-z]*)", m).group(1).rstrip("_") for m in kernels}
+  assert {"fp4jax_nvfp4_quantize", "fp4jax_mxfp4_quantize", "fp4jax_eden_quantize", "fp4jax_rotated_amax"} <= names
+  assert not any(".ftz" in m for m in kernels)

@@ -109,10 +109,30 @@ def test_div_pow2():
 
 @pytest.mark.gpu
 def test_div_on_gpu_is_correctly_rounded():
-  """XLA's `/` on NVIDIA GPUs is div.full.f32 (within 2 ulps); ieee.div must not depend on it."""
+  """XLA's `/` on NVIDIA GPUs is div.full.f32 (within 2 ulps); ieee.div must not depend on it, in any of the
+  forms the library calls: the general one, a constant numerator over a normal divisor (the NVFP4 set-up's
+  1 / b, which once compiled to rcp.approx.f32), and `amax_factor`'s normal_result."""
   a, b = _cases(5, 1 << 20)
   gpu = jax.devices("gpu")[0]
-  _assert_bits_equal(jax.jit(ieee.div)(jax.device_put(a, gpu), jax.device_put(b, gpu)), _numpy_div(a, b))
+  on_gpu = lambda v: jax.device_put(v, gpu)
+  _assert_bits_equal(jax.jit(ieee.div)(on_gpu(a), on_gpu(b)), _numpy_div(a, b))
+  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]
+  one = np.float32(1.0)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True))(on_gpu(normal_b)), _numpy_div(one, normal_b))
+  numerator = np.float32(2688.0)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(numerator, b, normal_result=True))(on_gpu(b)),
+                     _numpy_div(numerator, b))
+
+
+def test_normal_result_needs_an_operand_lifted_at_run_time():
+  """Without a run-time lift the float64 quotient would only be cast back to float32, which XLA:GPU narrows to
+  an approximate float32 division: `div` refuses that rather than return other bits on a GPU."""
+  b = np.array([3.0, 7.0], np.float32)
+  for call in (lambda b: ieee.div(np.float32(1.0), b, b_normal=True, normal_result=True),
+               lambda b: ieee.div(np.float32(1.0), np.float32(3.0), normal_result=True)):
+    with pytest.raises(ValueError, match="normal_result=True needs an operand lifted at run time"):
+      jax.jit(call)(b)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(b, np.float32(3.0), normal_result=True))(b), _numpy_div(b, 3))
 
 
 def test_e4m3_to_f32_every_byte():

@@ -36,10 +36,10 @@ correctly rounded) and builds 2^(L - e) from exponent bits (e in [-9, 8]: always
 below float32 max and inf above, which min(., f32 max) maps to f32 max on both sides.
 Everything else per element or per block is a multiplication, a min, or integer/bit arithmetic, each one
 IEEE-rounded in Triton as in XLA; where an add follows a product (the 2^23 tricks), the product is exact, so an
-FMA contraction cannot change it. Assumed on GPU, not yet measured: Triton does not flush subnormal float32
-results to zero. Only |x| * enc_b of a bf16-subnormal x in a block with a much larger max can be subnormal: RNE
-gives code 0 either way (anything below 0.25 does), SR rounds it up iff its draw u is exactly 0 (p = 2^-24),
-which a flush would turn off.
+FMA contraction cannot change it. Subnormal float32 results are kept: the kernels' PTX for an H200 holds no
+`.ftz` instruction (`tests/test_dot_kernels.py` reads it). They matter little: only |x| * enc_b of a
+bf16-subnormal x in a block with a much larger max can be subnormal: RNE gives code 0 either way (anything below
+0.25 does), SR rounds it up iff its draw u is exactly 0 (p = 2^-24), which a flush would turn off.
 
 4/6 ("nvfp4_46", RNE, `_view_46`): per block both E4M3 scale candidates (targets 6 and 4, from g and g4 in the
 parameter row), the codes under each, their squared errors (q * s_b - x * S_enc)^2 summed in the reference's
