@@ -1,6 +1,6 @@
 """float32 arithmetic with the same bits on every backend, where XLA's own operations do not guarantee them.
 
-Two XLA:GPU behaviours (measured on an H200, JAX 0.11.2) made the reference quantizers' NVFP4 codes depend on
+Three XLA:GPU behaviours (measured on an H200, JAX 0.11.2) made the reference quantizers' NVFP4 codes depend on
 the backend, and disagree with a GPU kernel that follows their definition:
   * float32 division is not correctly rounded: it compiles to PTX `div.full.f32`, an approximation within
     2 ulps (29% of 2^20 random quotients off, against 3 on CPU, all three in the subnormal range that XLA:CPU
@@ -11,7 +11,7 @@ the backend, and disagree with a GPU kernel that follows their definition:
   * a float64 quotient of two float32 operands whose only use is its cast back to float32 is narrowed by LLVM
     into a float32 division, which XLA:GPU then emits as an approximation (`rcp.approx.f32` for 1 / b in the
     PTX of an H200 target): `div` keeps its float64 quotient in a second use wherever no run-time factor
-    follows the division (`tests/numerics/test_ieee.py` reads the PTX).
+    follows the division (`tests/test_dot_kernels.py` reads fp4_dot's PTX for any approximation).
 """
 
 from __future__ import annotations
