@@ -5,9 +5,10 @@
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
 # parts: tests verify quantize dot compile step train (default: tests quantize dot train).
 # Logs and results land in $OUT.
-# Limits: one device call allows 600 s; the GPU tests took ~150 s on an H200 (most of it compiling kernels),
-# the train part compiles each route before its steps (60-95 s for FP4 routes). Run the parts that fit in
-# separate calls.
+# Limits: one device call allows 600 s. The GPU tests run in TEST_WORKERS (4) pytest processes that allocate
+# GPU memory as they need it: 83 of them took 57 s on an H200 that way (2026-12-05), where one process had
+# taken ~150 s for 73, most of it compiling kernels. The train part compiles each route before its steps (60-95 s
+# for FP4 routes). Run the parts that fit in separate calls.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_bench}
 DATA=${DATA:-.gpu/data}
@@ -27,12 +28,14 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       log "GPU tests"
-      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 tests 2>&1 \
-        | tail -45 ;;
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
+        -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=20 tests 2>&1 | tail -45 ;;
     verify)
-      log "GPU tests of the latest changes (scanned forward GEMMs once, the fp8 route's FP8 GEMM, ieee.div)"
-      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/benchmarks/test_bench.py \
-        tests/test_fp8_route.py tests/numerics/test_ieee.py 2>&1 | tail -20 ;;
+      log "GPU tests of the latest changes (the NVFP4 set-up's reciprocals, 940c534; ieee.div's forms)"
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
+        -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize/test_conformance.py \
+        tests/ops/quantize/test_quantize_nvfp4.py tests/test_dot_kernels.py tests/numerics/test_ieee.py 2>&1 \
+        | tail -20 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
