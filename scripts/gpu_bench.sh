@@ -31,11 +31,10 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=20 tests 2>&1 | tail -45 ;;
     verify)
-      log "GPU tests of the latest changes (the NVFP4 set-up's reciprocals, 940c534; ieee.div's forms)"
+      log "GPU tests of the kernels and numerics (after 940c534: the NVFP4 set-up's reciprocals, ieee.div's forms)"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
-        -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize/test_conformance.py \
-        tests/ops/quantize/test_quantize_nvfp4.py tests/test_dot_kernels.py tests/numerics/test_ieee.py 2>&1 \
-        | tail -20 ;;
+        -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize tests/test_dot_kernels.py tests/numerics \
+        2>&1 | tail -20 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
