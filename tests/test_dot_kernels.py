@@ -193,7 +193,7 @@ from bench import compile as compile_bench
 from fp4jax import Impl, fp4_dot
 key = jax.eval_shape(lambda: jax.random.key(0))
 mesh = compile_bench._deviceless_h200()
-for route in ("nvfp4", "nvfp4_tile_local", "quartet2", "mxfp4"):
+for route in ("nvfp4", "nvfp4_tile_local", "nvfp4_sr", "quartet2", "mxfp4", "fp8"):
   for impl in (Impl(), Impl(quantizer="xla")):
     def f(x, w, dy, key, impl=impl, route=route):
       y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=impl), x, w)
