@@ -2,7 +2,8 @@
 # The H200 measurements in docs/BENCHMARKS.md, in one GPU session (run from the repo root on the GPU machine,
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
-# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]")
+# (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]";
+# COMPILE_PRESETS (30m 125m 1b) and REPEAT (2) shape the compile part)
 # parts: tests verify quantize dot compile step train (default: tests quantize dot train).
 # Logs and results land in $OUT.
 # Limits: one device call allows 600 s. The GPU tests run in TEST_WORKERS (4) pytest processes that allocate
@@ -46,21 +47,18 @@ for part in "${parts[@]}"; do
         --no-check --unfused --routes bf16 mxfp4 mxfp4_h32 nvfp4 nvfp4_tile_local quartet2 --out "$OUT/dot.json" \
         2>&1 | grep -v "compiling and timing" | tail -60 ;;
     compile)
-      log "train step compile (cold): Llama-30M 64x512 unrolled, with XLA's longest compile events"
-      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \
-        --passes 25 --routes bf16 mxfp4 nvfp4 2>&1 | tail -84
-      log "Llama-125M 16x1024: unrolled bf16; scanned routes cold, then warm (one fresh cache)"
-      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 125m --tokens 16x1024 \
-        --routes bf16 2>&1 | tail -1
-      for pass in cold warm; do
-        timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache "$OUT/jax_cache" compile --step 125m \
-          --tokens 16x1024 --scan --warm --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -4
+      # Issue 12's measurement: each route's first call (trace + lower + compile, cold) in fresh processes, as
+      # training runs it (--scan auto), medians and ratios to bf16 printed last. 30M took 111 s with REPEAT=2.
+      for preset in ${COMPILE_PRESETS:-30m 125m 1b}; do
+        case "$preset" in 30m) tokens=64x512 ;; 125m) tokens=16x1024 ;; *) tokens=8x2048 ;; esac
+        log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens"
+        timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off compile --step "$preset" \
+          --tokens "$tokens" --scan auto --repeat ${REPEAT:-2} --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -5
       done
-      log "scanned blocks: Llama-30M 64x512 and Llama-1B 8x2048"
-      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 --scan \
-        --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -4
-      timeout ${COMPILE_LIMIT:-200} python3 -m bench --compile-cache off compile --step 1b --tokens 8x2048 --scan \
-        --routes bf16 mxfp4 nvfp4 2>&1 | tail -3 ;;
+      log "where the 30M first call goes (one process, XLA's longest compile events)"
+      timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \
+        --scan auto --passes 40 --routes bf16 nvfp4 quartet2 > "$OUT/compile_passes.log" 2>&1
+      grep -E "^  30m|first call" "$OUT/compile_passes.log" ;;
     step)
       # One process per route: besides the step, each compiles its state initializer (19-28 s at these sizes,
       # docs/BENCHMARKS.md "State initialization took longer than compiling the step").
