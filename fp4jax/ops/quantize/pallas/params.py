@@ -56,8 +56,9 @@ def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], 
   outer = reference.nvfp4_outer(s)
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
   o, shift = ieee.lift(outer)  # outer * 2^L, normal
-  # [P, 8]. No quotient here is subnormal, but `normal_result` would leave 1 / b as a lone float64 division,
-  # which XLA:GPU narrows to an approximate reciprocal (`ieee`'s module docstring): the general path keeps it exact.
+  # [P, 8]. No quotient here is subnormal, yet the general path it is: with a constant numerator and a normal b
+  # nothing scales the float64 quotient at run time, so `normal_result` (which `ieee.div` refuses then) would
+  # leave it to be narrowed into XLA:GPU's approximate reciprocal (`ieee`'s module docstring).
   q = ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True)
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
   pad = np.zeros((s.shape[0], N_PARAMS - 12), np.float32)
