@@ -10,7 +10,7 @@ the backend, and disagree with a GPU kernel that follows their definition:
     on by default). `e4m3_to_f32` decodes the float8 bytes instead, which nothing can simplify away.
   * a float64 quotient of two float32 operands whose only use is its cast back to float32 is narrowed by LLVM
     into a float32 division, which XLA:GPU then emits as an approximation (`rcp.approx.f32` for 1 / b in the
-    PTX of an H200 target): `div` keeps its float64 quotient in a second use wherever no run-time factor
+    PTX of an H200 target): `div` gives its float64 quotient a second use wherever no run-time factor
     follows the division (`tests/test_dot_kernels.py` reads fp4_dot's PTX for any approximation).
 """
 
@@ -43,24 +43,22 @@ def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False, normal_result: bo
   constant numerator) is lifted while tracing, and `b_normal=True` is the caller's promise that b is never
   subnormal (normal, zero, infinite or NaN), so b enters as it is. `normal_result=True` promises that no
   quotient is subnormal (a zero, which the float64 -> float32 cast keeps with its sign, is fine): the
-  subnormal assembly, a dozen operations, is left out. It needs an operand lifted at run time (a traced a, or
-  a traced b without `b_normal`): the quotient's scaling by 2^(sb - sa) then keeps it in float64, where a lone
-  float64 quotient cast back to float32 would compile to an approximate float32 division on XLA:GPU (the
-  module docstring). Asked for without one, it raises ValueError.
+  subnormal assembly, a dozen operations, is left out. Where no operand is lifted at run time (constants, or
+  `b_normal`), nothing would use the float64 quotient but its cast to float32, which XLA:GPU narrows into its
+  approximate division (the module docstring); a comparison of |q| with the smallest normal, which turns the
+  quotients the promise excludes into signed zeros, keeps it in a second use (three operations, not twelve).
   """
   la, sa = lift(a)
   lb, sb = (jnp.asarray(b, jnp.float32), 0) if b_normal else lift(b)  # a = la * 2^-sa, b = lb * 2^-sb
   scaled = not (_is_zero(sa) and _is_zero(sb))  # a shift known only at run time: q is scaled in float64
-  if normal_result and not scaled:
-    raise ValueError("ieee.div: normal_result=True needs an operand lifted at run time (a traced a, or a traced b "
-                     "without b_normal); without one XLA:GPU would compile the division as an approximation")
   la, lb = jnp.broadcast_arrays(la, lb)
   with jax.enable_x64(True):
     q = la.astype(jnp.float64) / lb.astype(jnp.float64)
     if scaled:
       q = q * _pow2_f64(jnp.broadcast_to(jnp.asarray(sb) - jnp.asarray(sa), q.shape))  # exact: normal range
     if normal_result:
-      return q.astype(jnp.float32)
+      r = q.astype(jnp.float32)
+      return r if scaled else jnp.where(jnp.abs(q) < _TINY, r * 0, r)  # a second use of q (docstring)
     mag = jnp.abs(q)
     units = jnp.rint(mag * _SUBNORMAL_UNITS)  # subnormal results: RNE to a multiple of 2^-149 (<= 2^23)
     sign = jnp.where(jnp.signbit(q), _SIGN, np.uint32(0))

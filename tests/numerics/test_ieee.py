@@ -28,6 +28,11 @@ def _assert_bits_equal(got, want):
   assert not bad.any(), f"{bad.sum()} differ, e.g. {got[bad][:4]} vs {want[bad][:4]}"
 
 
+def _not_subnormal(v: np.ndarray) -> np.ndarray:
+  """Where float32 v is zero or not subnormal: `ieee.div(..., normal_result=True)`'s promise for a quotient."""
+  return (v == 0) | ~(np.abs(v) < np.finfo(np.float32).tiny)
+
+
 def _numpy_div(a, b):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -110,8 +115,8 @@ def test_div_pow2():
 @pytest.mark.gpu
 def test_div_on_gpu_is_correctly_rounded():
   """XLA's `/` on NVIDIA GPUs is div.full.f32 (within 2 ulps); ieee.div must not depend on it, in any of the
-  forms the library calls: the general one, a constant numerator over a normal divisor (the NVFP4 set-up's
-  1 / b, which once compiled to rcp.approx.f32), and `amax_factor`'s normal_result."""
+  forms the library calls: the general one, a constant numerator over a normal divisor with and without
+  normal_result (the NVFP4 set-up's 1 / b, which once compiled to rcp.approx.f32), and `amax_factor`'s."""
   a, b = _cases(5, 1 << 20)
   gpu = jax.devices("gpu")[0]
   on_gpu = lambda v: jax.device_put(v, gpu)
@@ -119,20 +124,28 @@ def test_div_on_gpu_is_correctly_rounded():
   normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]
   one = np.float32(1.0)
   _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True))(on_gpu(normal_b)), _numpy_div(one, normal_b))
+  quotient = _numpy_div(one, normal_b)
+  kept = _not_subnormal(quotient)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True, normal_result=True))(on_gpu(normal_b[kept])),
+                     quotient[kept])
   numerator = np.float32(2688.0)
   _assert_bits_equal(jax.jit(lambda b: ieee.div(numerator, b, normal_result=True))(on_gpu(b)),
                      _numpy_div(numerator, b))
 
 
-def test_normal_result_needs_an_operand_lifted_at_run_time():
-  """Without a run-time lift the float64 quotient would only be cast back to float32, which XLA:GPU narrows to
-  an approximate float32 division: `div` refuses that rather than return other bits on a GPU."""
-  b = np.array([3.0, 7.0], np.float32)
-  for call in (lambda b: ieee.div(np.float32(1.0), b, b_normal=True, normal_result=True),
-               lambda b: ieee.div(np.float32(1.0), np.float32(3.0), normal_result=True)):
-    with pytest.raises(ValueError, match="normal_result=True needs an operand lifted at run time"):
-      jax.jit(call)(b)
-  _assert_bits_equal(jax.jit(lambda b: ieee.div(b, np.float32(3.0), normal_result=True))(b), _numpy_div(b, 3))
+def test_normal_result_without_a_run_time_lift():
+  """A constant numerator over a normal divisor with `normal_result` (the NVFP4 set-up's 1 / b): nothing is
+  lifted at run time, so `div` keeps the float64 quotient in a comparison (on XLA:GPU a quotient used only by
+  its cast compiled to rcp.approx.f32); the general path's bits wherever the promise holds, signed zeros too."""
+  b = _cases(12)[1]
+  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]
+  one = np.float32(1.0)
+  quotient = _numpy_div(one, normal_b)
+  kept = _not_subnormal(quotient)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True, normal_result=True))(normal_b[kept]),
+                     quotient[kept])
+  _assert_bits_equal(ieee.div(one, np.array([np.inf, -np.inf], np.float32), b_normal=True, normal_result=True),
+                     np.array([0.0, -0.0], np.float32))
 
 
 def test_e4m3_to_f32_every_byte():

@@ -56,10 +56,11 @@ def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], 
   outer = reference.nvfp4_outer(s)
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
   o, shift = ieee.lift(outer)  # outer * 2^L, normal
-  # [P, 8]. No quotient here is subnormal, yet the general path it is: with a constant numerator and a normal b
-  # nothing scales the float64 quotient at run time, so `normal_result` (which `ieee.div` refuses then) would
-  # leave it to be narrowed into XLA:GPU's approximate reciprocal (`ieee`'s module docstring).
-  q = ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True)
+  # [P, 8]: each q is normal, zero or NaN, as `normal_result` asks. o * (1 + j/8) is >= 2^-126 (o normal) and
+  # <= 1.875 / S_enc <= 1.875 * float32 max / numerator, so q >= numerator / (1.875 * float32 max) > 2^-126
+  # for numerators >= 8 (theirs are >= 1445); or o is infinite (S_enc = 0: q = 0) or NaN.
+  assert numerators.min() >= 8, numerators
+  q = ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True, normal_result=True)
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
   pad = np.zeros((s.shape[0], N_PARAMS - 12), np.float32)
   params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
