@@ -29,7 +29,8 @@ def _assert_bits_equal(got, want):
 
 
 def _not_subnormal(v: np.ndarray) -> np.ndarray:
-  """Where float32 v is zero or not subnormal: `ieee.div(..., normal_result=True)`'s promise for a quotient."""
+  """Where float32 v is zero or not subnormal (normal, infinite or NaN): a divisor `b_normal` accepts, and a
+  quotient `normal_result` promises."""
   return (v == 0) | ~(np.abs(v) < np.finfo(np.float32).tiny)
 
 
@@ -64,7 +65,7 @@ def test_div_by_constants_and_normal_divisors():
   """A NumPy numerator (lifted while tracing, subnormal ones included) and `b_normal=True` (b not lifted) give
   the same correctly rounded quotients as the general path; neither stages the lifting."""
   a, b = _cases(7)
-  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]  # normal, zero, inf, NaN
+  normal_b = b[_not_subnormal(b)]
   for const in (np.float32(1.0), np.float32(2688.0), np.float32(1e-40), np.float32(-3e-39), np.float32(0.0)):
     _assert_bits_equal(jax.jit(lambda b, c=const: ieee.div(c, b))(b), _numpy_div(const, b))
     _assert_bits_equal(jax.jit(lambda b, c=const: ieee.div(c, b, b_normal=True))(normal_b),
@@ -104,11 +105,10 @@ def test_lift_of_a_constant_matches_the_traced_lift():
 def test_div_pow2():
   """Exact wherever a and the quotient are not subnormal (a product: XLA:CPU treats subnormals as zero)."""
   a = _cases(4)[0]
-  subnormal = lambda v: (v != 0) & (np.abs(v) < np.finfo(np.float32).tiny)
   for e in (-126, -9, -1, 0, 5, 126):
     d = np.float32(2.0**e)
     want = _numpy_div(a, d)
-    keep = ~subnormal(a) & ~subnormal(want)
+    keep = _not_subnormal(a) & _not_subnormal(want)
     _assert_bits_equal(ieee.div_pow2(a[keep], d), want[keep])
 
 
@@ -121,10 +121,10 @@ def test_div_on_gpu_is_correctly_rounded():
   gpu = jax.devices("gpu")[0]
   on_gpu = lambda v: jax.device_put(v, gpu)
   _assert_bits_equal(jax.jit(ieee.div)(on_gpu(a), on_gpu(b)), _numpy_div(a, b))
-  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]
+  normal_b = b[_not_subnormal(b)]
   one = np.float32(1.0)
-  _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True))(on_gpu(normal_b)), _numpy_div(one, normal_b))
   quotient = _numpy_div(one, normal_b)
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True))(on_gpu(normal_b)), quotient)
   kept = _not_subnormal(quotient)
   _assert_bits_equal(jax.jit(lambda b: ieee.div(one, b, b_normal=True, normal_result=True))(on_gpu(normal_b[kept])),
                      quotient[kept])
@@ -138,7 +138,7 @@ def test_normal_result_without_a_run_time_lift():
   lifted at run time, so `div` keeps the float64 quotient in a comparison (on XLA:GPU a quotient used only by
   its cast compiled to rcp.approx.f32); the general path's bits wherever the promise holds, signed zeros too."""
   b = _cases(12)[1]
-  normal_b = b[~((b != 0) & (np.abs(b) < np.finfo(np.float32).tiny))]
+  normal_b = b[_not_subnormal(b)]
   one = np.float32(1.0)
   quotient = _numpy_div(one, normal_b)
   kept = _not_subnormal(quotient)
