@@ -8,8 +8,8 @@
 # Logs and results land in $OUT.
 # Limits: one device call allows 600 s. The GPU tests run in TEST_WORKERS (4) pytest processes that allocate
 # GPU memory as they need it: 83 of them took 57 s on an H200 that way (2026-12-05), where one process had
-# taken ~150 s for 73, most of it compiling kernels. The train part compiles each route before its steps (60-95 s
-# for FP4 routes). Run the parts that fit in separate calls.
+# taken 171 s for 73 (2026-12-03), most of it compiling kernels. The train part compiles each route before its
+# steps (60-95 s for FP4 routes). Run the parts that fit in separate calls.
 set -uo pipefail
 OUT=${OUT:-runs/gpu_bench}
 DATA=${DATA:-.gpu/data}
