@@ -1,13 +1,16 @@
 """`python -m train --config configs/cpu_compare.yaml [--set section.key=value ...] [--debug]`.
 
 Exit status: 0 when every route trained (or was already finished), 1 when a route diverged or failed, 2 for a
-mistake in the config, the data or the run directory (printed as one line; `--debug` adds its traceback).
+mistake in the config, the data or the run directory (printed as one line; `--debug` adds its traceback), 128 +
+the signal's number when SIGINT (130) or SIGTERM (143) stopped the run: after saving a checkpoint where a route
+was training (`train.interrupt`; the same command resumes it), at once before that.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 import types
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from train.errors import UserError
+from train.interrupt import Interrupted
 
 if TYPE_CHECKING:
   from train.config import Config
@@ -35,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
-  """`body()`'s exit status, or EXIT_USER_ERROR after printing a UserError as one line (`debug`: with traceback)."""
+  """`body()`'s exit status; or EXIT_USER_ERROR after printing a UserError as one line, or 128 + the signal's number
+  after a stop request (`train.interrupt`), also one line (`debug`: each with its traceback)."""
   try:
     return body()
   except UserError as e:
@@ -43,6 +48,17 @@ def guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
       traceback.print_exc()
     print(f"{prog}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     return EXIT_USER_ERROR
+  except Interrupted as e:
+    if debug:
+      traceback.print_exc()
+    print(f"{prog}: {e}", file=sys.stderr)
+    return e.exit_status
+  except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading data, building a route's state)
+    if debug:
+      traceback.print_exc()
+    print(f"{prog}: interrupted outside the training steps: no checkpoint was written (what earlier steps and "
+          f"routes saved is kept)", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def start_jax(cfg: Config) -> types.ModuleType:

@@ -16,6 +16,7 @@ device never waits on the host; before an eval or a checkpoint the latest loss i
 whole state checked finite (a finite loss says nothing of the update that followed it), so a NaN/inf state is
 never saved and the run stops naming the step. Steps are 1-based everywhere (messages, metrics, checkpoints,
 the table): step N is the N-th optimizer update, and checkpoint N holds the state after it.
+A stop signal (SIGINT, SIGTERM) checkpoints the step in flight and ends the run (`train.interrupt`).
 
 Multi-host (documented, untested here): launch one process per host with the usual JAX env
 (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a SLURM/TPU environment) and set
@@ -46,7 +47,7 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train import checkpoint, config as config_lib, data, lock, metrics, tokenizers
+from train import checkpoint, config as config_lib, data, interrupt, lock, metrics, tokenizers
 from train.errors import UserError
 
 MESH_AXES = ("data", "fsdp")
@@ -489,35 +490,40 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   rec.resume(data_state)
   eval_loss = compile_s = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
+  stop = interrupt.StopRequest(label, enabled=jax.process_count() == 1)
   try:
-    for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
-      batch = to_global(next(it), ts.batch_sharding)
-      if done == start + 1:  # the first call traces and compiles the step: say so while it lasts, and time it
-        with compile_ticker(label, enabled=lead) as timer:
+    with stop:
+      for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
+        batch = to_global(next(it), ts.batch_sharding)
+        if done == start + 1:  # the first call traces and compiles the step: say so while it lasts, and time it
+          with compile_ticker(label, enabled=lead) as timer:
+            ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
+          compile_s = timer()
+        else:
           ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
-        compile_s = timer()
-      else:
-        ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
-      if pending:  # the previous step's loss, read while this step runs: no device idle time
-        rec.record(*pending)
-      pending = (done, loss, gnorm)
-      do_eval = (r.eval_every and done % r.eval_every == 0) or done == r.steps
-      do_ckpt = (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps
-      if do_eval or do_ckpt:
-        rec.record(*pending)
-        pending = None
-      if do_eval:
-        with rec.paused():
-          eval_loss = evaluate(ts, eval_batches)
-        if log:
-          log.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
-      if do_ckpt:
-        with rec.paused():
-          if not bool(ts.all_finite(ts.state)):  # a finite loss does not prove the update after it finite
-            raise NonFiniteLossError(
-                f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
-                f"saving it. {last_good(ckpt)}")
-          ckpt.save(done, ts.state, {**it.state(), **rec.saved()})
+        if pending:  # the previous step's loss, read while this step runs: no device idle time
+          rec.record(*pending)
+        pending = (done, loss, gnorm)
+        if (r.eval_every and done % r.eval_every == 0) or done == r.steps:
+          rec.record(*pending)
+          pending = None
+          with rec.paused():
+            eval_loss = evaluate(ts, eval_batches)
+          if log:
+            log.log(done, "eval", {"loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0))})
+        # A stop request (SIGINT, SIGTERM) saves the state after this step, also when it came during the eval.
+        if (r.ckpt_every and done % r.ckpt_every == 0) or done == r.steps or stop.signum is not None:
+          if pending:
+            rec.record(*pending)
+            pending = None
+          with rec.paused():
+            if not bool(ts.all_finite(ts.state)):  # a finite loss does not prove the update after it finite
+              raise NonFiniteLossError(
+                  f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
+                  f"saving it. {last_good(ckpt)}")
+            ckpt.save(done, ts.state, {**it.state(), **rec.saved()})
+          if stop.signum is not None:
+            raise interrupt.Interrupted(stop.signum, label, done, ckpt.directory)
   finally:
     bar.close()
     ckpt.close()

@@ -5,6 +5,7 @@ equal to the single-device step."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,8 @@ import pytest
 from flax import nnx
 
 from fp4jax import platform
-from train import checkpoint, config, metrics, train
+from train import checkpoint, config, data, interrupt, metrics, train
+from train import main as main_lib
 from train.errors import UserError
 from train.main import EXIT_FAILED_RUN, main
 from tiny_steps import tiny_steps
@@ -149,6 +151,61 @@ def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
                            r"Last good checkpoint: step 1 in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
+
+
+@pytest.mark.parametrize("signum,eval_every", [(signal.SIGINT, 0), (signal.SIGTERM, 3)])
+def test_a_stop_signal_saves_the_step_in_flight_and_the_rerun_resumes_it(tmp_path, monkeypatch, capsys, signum,
+                                                                          eval_every):
+  """SIGINT / SIGTERM while step 3's batch is drawn: the loop finishes that step, checkpoints it (none is due:
+  ckpt_every 0) and stops; `main`'s handling prints one line and returns 128 + the signal. The same run then
+  resumes from step 3 with the losses, log and evaluation of an uninterrupted run, and the handlers are back."""
+  cfg = tiny_cfg(tmp_path, f"run.eval_every={eval_every}")
+  full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  draw = data.WindowIterator.__next__
+  drawn = []
+
+  def next_batch(self):
+    drawn.append(None)
+    if len(drawn) == 3:
+      os.kill(os.getpid(), signum)  # the handler runs before the next bytecode: a signal mid-step
+    return draw(self)
+
+  cut = config.replace(cfg, run={"out_dir": str(tmp_path / "cut")})
+  monkeypatch.setattr(data.WindowIterator, "__next__", next_batch)
+  before = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
+  with pytest.raises(interrupt.Interrupted) as stopped:
+    train.run(cut, TOKENS, TOKENS[:2000], 257)
+  assert {s: signal.getsignal(s) for s in interrupt.SIGNALS} == before
+  assert (stopped.value.step, stopped.value.exit_status) == (3, 128 + signum)
+  assert checkpoint.saved_steps(os.path.join(cut.run.out_dir, "ckpt")) == [3]
+
+  def body():
+    raise stopped.value
+
+  assert main_lib.guarded("python -m train", False, body) == 128 + signum
+  assert capsys.readouterr().err.endswith(f"python -m train: [bf16] stopped by {signal.Signals(signum).name} after "
+                                          f"step 3: checkpoint saved in {cut.run.out_dir}/ckpt; run the same "
+                                          f"command again to resume\n")
+
+  monkeypatch.setattr(data.WindowIterator, "__next__", draw)
+  resumed = train.run(cut, TOKENS, TOKENS[:2000], 257)
+  assert resumed["losses"] == {s: full["losses"][s] for s in range(4, 9)}  # bit-identical
+  assert (resumed["eval_loss"], resumed["train_loss"]) == (full["eval_loss"], full["train_loss"])
+  untimed = [[{k: v for k, v in r.items() if k != "tokens_per_s"}
+              for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut.run.out_dir,
+                                                                                      cfg.run.out_dir)]
+  assert untimed[0] == untimed[1]
+
+
+def test_stop_request_gives_the_second_signal_its_default_action():
+  with interrupt.StopRequest("x") as stop:
+    assert stop.signum is None and signal.getsignal(signal.SIGTERM) == stop._handle
+    stop._handle(signal.SIGTERM, None)  # what the first signal runs
+    assert stop.signum == signal.SIGTERM
+    assert all(signal.getsignal(s) == signal.SIG_DFL for s in interrupt.SIGNALS)
+  assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
+  with interrupt.StopRequest("x", enabled=False):
+    assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
 
 
 def _corpus_cfg(tmp_path, *overrides):

@@ -1,0 +1,65 @@
+"""Stopping a training run on SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption, `timeout`) without losing
+its progress.
+
+While `StopRequest` is entered, the first of those signals only sets `signum`: the training loop finishes the
+step in flight, saves a checkpoint of the state after it and raises `Interrupted`, which `python -m train` and
+`python -m train.study` turn into one line and exit status 128 + the signal number (130 for Ctrl-C, 143 for
+SIGTERM). Running the same command again resumes from that checkpoint. The handler then gives both signals their
+default action back, so a second one ends the process at once, saving nothing: the way out of a compile or a
+checkpoint write that takes too long.
+
+Only one process's main thread installs handlers. With several processes the checkpoint is written by all of them
+together (Orbax), so one process stopping on its own signal would leave the others waiting in that write; there the
+signals keep their default actions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+  """A run stopped by `signum` after saving its checkpoint of `step` in `directory`."""
+
+  def __init__(self, signum: int, label: str, step: int, directory: str):
+    self.signum, self.step, self.directory = signum, step, directory
+    self.exit_status = 128 + signum
+    super().__init__(f"[{label}] stopped by {signal.Signals(signum).name} after step {step}: checkpoint saved in "
+                     f"{directory}; run the same command again to resume")
+
+
+class StopRequest:
+  """Context manager: inside, the first SIGINT or SIGTERM sets `signum` (module docstring).
+
+  `enabled=False` (several processes), or entering it outside the main thread, installs nothing: `signum` then
+  stays None. The handlers that were in place before are restored on exit.
+  """
+
+  def __init__(self, label: str, *, enabled: bool = True):
+    self.label = label
+    self.enabled = enabled and threading.current_thread() is threading.main_thread()
+    self.signum: int | None = None
+    self._previous: dict[int, object] = {}
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    self.signum = signum
+    for s in SIGNALS:  # a second signal takes the default action: the process ends at once
+      signal.signal(s, signal.SIG_DFL)
+    # os.write, not print: the handler may run while the main thread is inside a print to stderr (the progress bar)
+    os.write(2, f"\n[{self.label}] {signal.Signals(signum).name}: stopping after the step in flight and saving a "
+                f"checkpoint (send it again to stop at once without saving)\n".encode())
+
+  def __enter__(self) -> StopRequest:
+    if self.enabled:
+      self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
