@@ -105,7 +105,7 @@ def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array | t
       out_specs=pl.BlockSpec((1, 16), tile_index),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret,
-      name=AMAX_KERNEL_NAME,
+      name=common.launch_name(AMAX_KERNEL_NAME, cfg, x.shape, x.dtype),
   )(words, x)
   if not cfg.plain:
     return _to_amax(jnp.max(tops))

@@ -20,7 +20,10 @@ and only the column view's bytes and scales are transposed in registers.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
+import re
 from typing import Callable
 
 import jax
@@ -237,6 +240,35 @@ def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int, values: tuple[bool, 
   return tuple(shaped(i, a) for i, a in enumerate((rc, rs, cc, cs)))
 
 
+def _describe(obj) -> str:
+  """A deterministic text of a kernel's static part: a function by its qualified name, a partial by its function
+  and arguments (configs are frozen dataclasses, whose repr is their fields), anything else by repr."""
+  if isinstance(obj, functools.partial):
+    args = [_describe(a) for a in obj.args] + [f"{k}={_describe(v)}" for k, v in sorted(obj.keywords.items())]
+    return f"{_describe(obj.func)}({', '.join(args)})"
+  if callable(obj) and hasattr(obj, "__qualname__"):
+    return f"{obj.__module__}.{obj.__qualname__}"
+  return repr(obj)
+
+
+def launch_name(base: str, *static) -> str:
+  """`base` and a digest of `static` (what fixes a launch's kernel besides its code: the kernel function with its
+  configuration, shapes, tiles): one name per launch configuration, the same in every process. XLA's kernel file
+  keeps kernels by name, so `fp4jax.compiling` can hand a program kernels compiled alone only when distinct
+  kernels have distinct names. The digest ends in a letter: a name ending in digits would read as a numbered
+  variant of another to XLA's name uniquer."""
+  return f"{base}_{hashlib.sha256(_describe(static).encode()).hexdigest()[:12]}k"
+
+
+_LAUNCH_DIGEST = re.compile(r"_[0-9a-f]{12}k(?![0-9a-z_])")
+
+
+def without_launch_digests(text: str) -> str:
+  """`text` (Triton IR, a lowered module) with the digest of every `launch_name` taken out: kernels compared by
+  their code, whatever launch they were named for."""
+  return _LAUNCH_DIGEST.sub("", text)
+
+
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
                    name: str, write: tuple[bool, bool] = BOTH, values: tuple[bool, bool] = (False, False)):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
@@ -270,7 +302,8 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
       out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=interpret,
-      name=name,
+      name=launch_name(name, kernel, x.shape, t, block, [(a.shape, a.dtype, spec.block_shape) for a, spec in params],
+                       write, values),
   )(*[a for a, _ in params], xw))
   return view_arrays(*[next(outs) if slots[i] else None for i in range(4)], m, k, block, values)
 

@@ -51,8 +51,8 @@ from fp4jax.numerics.spec import EDEN_GROUP, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
 from fp4jax.ops.quantize.pallas import exact
 from fp4jax.ops.quantize.pallas.common import (F32_ABS, F32_INF, as_f32, as_i32, butterfly, e2m1_magnitude,
-                                               encode_rne, halving_sum, halves, magnitude_and_sign, read_words,
-                                               sign_words)
+                                               encode_rne, halving_sum, halves, launch_name, magnitude_and_sign,
+                                               read_words, sign_words)
 
 KERNEL_NAME = "fp4jax_eden_quantize"
 GROUP = EDEN_GROUP  # 128 elements along the quantized axis: one correction factor, one program
@@ -176,7 +176,7 @@ def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
       out_specs=tuple(out_specs),
       compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
       interpret=cfg.interpret,
-      name=KERNEL_NAME,
+      name=launch_name(KERNEL_NAME, cfg, x.shape, x.dtype, n_scales),
   )(params, x)
 
 
