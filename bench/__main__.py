@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench import args as args_lib
 from bench import compile as compile_bench
 from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--compile-cache", default="auto",
                       help=f"JAX's persistent compilation cache directory, 'off' (or 'none'), or 'auto' "
                            f"(default: auto = {platform.default_cache_dir()})")
+  parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default="on", metavar="on|off|N",
+                      help="compile a program's Pallas kernels alone, in parallel, while it lowers (on, as train "
+                           "does: one thread per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the "
+                           "program (off); fp4jax.compiling (default: on)")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
     summary = " ".join(module.__doc__.split("\n\n")[0].split())  # the docstring's first paragraph

@@ -7,7 +7,7 @@ import argparse
 import re
 from typing import Callable
 
-from fp4jax import route as route_lib
+from fp4jax import platform, route as route_lib
 from fp4jax.nn.llama.config import PRESETS as LLAMA_PRESETS
 
 _PAIR = re.compile(r"[1-9]\d*x[1-9]\d*")  # AxB, two positive integers
@@ -82,3 +82,21 @@ def add_scan(parser: argparse.ArgumentParser, prefix: str = "") -> None:
   parser.add_argument("--scan", nargs="?", const=True, default=False, type=scan_value, metavar="auto",
                       help=f"{prefix}run same-route blocks as one scanned body; 'auto': only a quantized route's, "
                            f"as training's model.scan_layers: auto does")
+
+
+def kernels_first_value(value: str) -> str:
+  """bench's --kernels-first: on, off, or a thread count."""
+  if value not in ("on", "off") and not value.isdigit():
+    raise argparse.ArgumentTypeError(f"--kernels-first takes on, off or a thread count, got {value!r}")
+  return value
+
+
+def kernels_first(args: argparse.Namespace, cache: bool = True) -> dict:
+  """`fp4jax.compiling.kernels_first`'s keywords for bench's `--kernels-first` (on: the kernels compile alone
+  first, on its default threads; N: on N threads; off: in the program, as jax.jit compiles) and
+  `--compile-cache` (the kernel files kept beside a cache that is on and `cache`, else in a temporary
+  directory)."""
+  threads = {"on": None, "off": 0}.get(args.kernels_first) if not args.kernels_first.isdigit() else \
+      int(args.kernels_first)
+  return {"threads": threads,
+          "directory": platform.kernel_cache_dir(platform.cache_dir(args.compile_cache)) if cache else None}

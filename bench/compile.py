@@ -79,7 +79,8 @@ import jax.numpy as jnp
 from bench import args as args_lib
 from bench import dot, triton
 from bench.step import llama_step
-from fp4jax import platform
+from fp4jax import compiling, platform
+from fp4jax.ops.quantize.pallas import common
 from train.errors import UserError
 
 
@@ -120,9 +121,10 @@ def kernel_counts(lowered_text: str) -> tuple[int, int, int]:
   """(Pallas kernel call sites, distinct Triton IR, distinct launch configurations) in a lowered module's text.
 
   XLA compiles a Triton kernel once per distinct launch configuration: its kernel cache is keyed by the whole
-  backend config, the IR's bytes (source locations included) and the grid, warps and stages with them."""
+  backend config, the IR's bytes (source locations included) and the grid, warps and stages with them. The IR
+  is compared without the kernels' launch names (`common.without_launch_digests`)."""
   configs = _TRITON_CONFIG.findall(lowered_text)
-  irs = {re.search(r'ir = "([^"]*)"', c).group(1) for c in configs}
+  irs = {common.without_launch_digests(re.search(r'ir = "([^"]*)"', c).group(1)) for c in configs}
   return len(configs), len(irs), len(set(configs))
 
 
@@ -188,15 +190,16 @@ class CompileEvent(NamedTuple):
   seconds: float
 
 
-def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]], list[CompileEvent]]:
-  """Compiles `lowered` under `jax.profiler`: (seconds, [(event name, count, seconds)] of the host events XLA
-  recorded while compiling, summed by name, longest first, and every single event, longest first). Python
-  frames are left out; nested events are each counted."""
+def compile_events(lowered, compiler_options: dict | None = None
+                   ) -> tuple[float, list[tuple[str, int, float]], list[CompileEvent], jax.stages.Compiled]:
+  """Compiles `lowered` (with `compiler_options`) under `jax.profiler`: (seconds, [(event name, count, seconds)]
+  of the host events XLA recorded while compiling, summed by name, longest first, every single event, longest
+  first, and the compiled program). Python frames are left out; nested events are each counted."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
     with jax.profiler.trace(tmp):
-      lowered.compile()
+      compiled = lowered.compile(compiler_options=compiler_options or None)
     seconds = time.perf_counter() - t0
     data = ProfileData.from_file(glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
   raw = [(event.name, line.name, event.start_ns, event.duration_ns) for plane in data.planes
@@ -210,21 +213,25 @@ def compile_events(lowered) -> tuple[float, list[tuple[str, int, float]], list[C
   for event in singles:
     totals[event.name] += event.seconds
     counts[event.name] += 1
-  return seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])], singles
+  return (seconds, [(name, counts[name], s) for name, s in sorted(totals.items(), key=lambda e: -e[1])], singles,
+          compiled)
 
 
 def kernel_name(ir: str) -> str:
-  """The kernel's name in its Triton IR (a Pallas kernel's `name=`, e.g. fp4jax_nvfp4_quantize_dual)."""
+  """The kernel's name in its Triton IR (a Pallas kernel's `name=`, e.g. fp4jax_nvfp4_quantize_dual), without
+  the digest of its launch (`common.launch_name`)."""
   found = re.search(r"tt\.func (?:public )?@([\w$.]+)", ir)
-  return found.group(1) if found else "?"
+  return common.without_launch_digests(found.group(1)) if found else "?"
 
 
 def triton_seconds(modules: list[str]) -> list[tuple[str, float, int]]:
   """(kernel name, cold compile seconds, IR characters) of each distinct Triton IR module in `modules` (sm_90,
   4 warps: Pallas passes each kernel's own num_warps to XLA outside the IR, so the proxy fixes one), slowest
-  first. Kernels of one name differ by shape constants, dtypes or view: each distinct IR compiles anew."""
+  first. Kernels of one name differ by shape constants, dtypes or view: each distinct IR compiles anew (IR
+  compared without the launches' names, `common.without_launch_digests`)."""
   os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
-  timed = ((kernel_name(ir), triton.compile_ir(ir)[0], len(ir)) for ir in dict.fromkeys(modules))
+  distinct = {common.without_launch_digests(ir): ir for ir in modules}.values()
+  timed = ((kernel_name(ir), triton.compile_ir(ir)[0], len(ir)) for ir in distinct)
   return sorted(timed, key=lambda k: -k[1])
 
 
@@ -287,10 +294,12 @@ def _on(mesh: jax.sharding.Mesh, tree):
 
 
 def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passes: int = 0,
-            triton_compile: bool = False, keep_hlo: bool = False) -> dict:
+            triton_compile: bool = False, keep_hlo: bool = False, kernels_first: dict | None = None) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
   `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
+  `kernels_first`: `fp4jax.compiling.kernels_first`'s keywords (None: compile as jax.jit does); the Pallas
+  kernels then compile alone while the program lowers, and "lower" includes waiting for them.
   `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled)."""
   lowering_only = h200 and xla is None  # --h200 without --xla: nothing compiles
   if xla is not None:
@@ -301,15 +310,19 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
-    lowered = traced.lower(lowering_platforms=("cuda",)) if lowering_only else traced.lower()
-    t2 = time.perf_counter()
-    compile_s, events, singles = None, [], []
-    if not lowering_only and passes:
-      compile_s, events, singles = compile_events(lowered)
-    elif not lowering_only:
-      lowered.compile()
-      compile_s = time.perf_counter() - t2
-    compiled_hlo = lowered.compile().as_text() if compile_s is not None else None  # no recompile
+    if lowering_only:
+      prepared = contextlib.nullcontext((traced.lower(lowering_platforms=("cuda",)), {}, compiling.Report()))
+    else:
+      prepared = compiling.kernels_first(traced, **(kernels_first or {"threads": 0}))
+    with prepared as (lowered, options, report):
+      t2 = time.perf_counter()
+      compile_s, events, singles, compiled = None, [], [], None
+      if not lowering_only and passes:
+        compile_s, events, singles, compiled = compile_events(lowered, options)
+      elif not lowering_only:
+        compiled = compiling.compile_lowered(lowered, options, report)
+        compile_s = time.perf_counter() - t2
+  compiled_hlo = compiled.as_text() if compiled is not None else None
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -319,6 +332,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "singles": singles[:passes],
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
+          "kernels_first": report.kernels, "kernels_first_s": report.kernel_s,
           "compiled_hlo": compiled_hlo if keep_hlo else None}
 
 
@@ -330,6 +344,8 @@ def _line(name: str, p: dict) -> str:
           f"hlo {p['hlo'] / 1e3:.1f}k")
   if p.get("xla_kernels") is not None:
     line += f"  xla kernels {p['xla_kernels']}"
+  if p.get("kernels_first"):
+    line += f"  ({p['kernels_first']} kernels compiled first: {p['kernels_first_s']:.1f} s, in the lower column)"
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
   lines = [line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))]
@@ -339,7 +355,8 @@ def _line(name: str, p: dict) -> str:
   return "\n".join(lines)
 
 
-_ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels")
+_ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels",
+             "kernels_first", "kernels_first_s")
 
 
 def _row(name: str, route: str, phases: dict) -> dict:
@@ -373,7 +390,8 @@ def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
   """The command measuring one route's first call of `args.step` in a fresh process (`--repeat`)."""
   batch, seq = args.tokens
   scan = [] if not args.scan else ["--scan"] if args.scan is True else ["--scan", args.scan]
-  return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off", "compile",
+  return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off",
+          "--kernels-first", args.kernels_first, "compile",
           "--step", args.step, *(["--layers", str(args.layers)] if args.layers else []), "--tokens",
           f"{batch}x{seq}", *scan,
           *(["--unfused-linears"] if args.unfused_linears else []), *(["--warm"] if args.warm else []),
@@ -462,7 +480,8 @@ def run(args: argparse.Namespace) -> None:
       name = (f"{args.step}{f' {args.layers}l' if args.layers else ''} {'scanned' if scan else 'unrolled'}"
               f"{' unfused' if args.unfused_linears else ''} {batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200, xla=xla,
-                       passes=args.passes, triton_compile=args.triton, keep_hlo=bool(args.hlo))
+                       passes=args.passes, triton_compile=args.triton, keep_hlo=bool(args.hlo),
+                       kernels_first=args_lib.kernels_first(args, cache=args.warm))
       print(_line(name, phases), flush=True)
       _write_hlo(args.hlo, name, phases)
       rows.append(_row(name, route, phases))
@@ -479,7 +498,7 @@ def run(args: argparse.Namespace) -> None:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
         phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton,
-                         keep_hlo=bool(args.hlo))
+                         keep_hlo=bool(args.hlo), kernels_first=args_lib.kernels_first(args, cache=args.warm))
         print(_line(f"{sname} {route} {name}", phases), flush=True)
         _write_hlo(args.hlo, f"{sname} {route} {name}", phases)
         rows.append(_row(f"{sname} {route} {name}", route, phases))

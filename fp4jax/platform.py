@@ -24,7 +24,7 @@ def compiles_for_gpu() -> bool:
   return jax.default_backend() == "gpu" or (device is not None and device.platform == "gpu")
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
   """CPUs this process may run on (its affinity mask where the OS has one, else all of them)."""
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -42,7 +42,7 @@ def _usable_cpus() -> int:
 #    nvfp4 16.4 -> 15.3 s, quartet2 35.4 -> 34.3 s) at the same step time ("H200 session of 2026-12-02,
 #    13:08-13:36 UTC").
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=false",
-                     f"--xla_gpu_force_compilation_parallelism={_usable_cpus()}")
+                     f"--xla_gpu_force_compilation_parallelism={usable_cpus()}")
 
 
 # XLA options for compiling a state initializer, a program that runs once. XLA:GPU merges the random
@@ -87,6 +87,15 @@ def cache_dir(setting: str) -> pathlib.Path | None:
   if setting == "auto":
     return default_cache_dir()
   return None if setting in CACHE_OFF else pathlib.Path(setting)
+
+
+def kernel_cache_dir(cache: str | os.PathLike | None) -> pathlib.Path | None:
+  """Where `fp4jax.compiling` keeps its kernel files beside the persistent compilation cache `cache` (None: no
+  cache, so none kept): the sibling directory `<cache>-xla-kernels` (~/.cache/fp4jax/jax-xla-kernels)."""
+  if cache is None:
+    return None
+  path = pathlib.Path(cache).expanduser()
+  return path.with_name(path.name + "-xla-kernels")
 
 
 def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Path | None:

@@ -32,10 +32,10 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=20 tests 2>&1 | tail -45 ;;
     verify)
-      log "GPU tests of the kernels and numerics (after 940c534: the NVFP4 set-up's reciprocals, ieee.div's forms)"
+      log "GPU tests of the kernels, numerics and programs compiled with their kernels first (fp4jax.compiling)"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize tests/test_dot_kernels.py tests/numerics \
-        2>&1 | tail -20 ;;
+        tests/test_compiling.py 2>&1 | tail -20 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
@@ -49,11 +49,16 @@ for part in "${parts[@]}"; do
     compile)
       # Issue 12's measurement: each route's first call (trace + lower + compile, cold) in fresh processes, as
       # training runs it (--scan auto), medians and ratios to bf16 printed last. 30M took 111 s with REPEAT=2.
+      # KERNELS_FIRST="on off" also times the FP4 routes with their Pallas kernels compiled in the program
+      # (fp4jax.compiling; on is what train and bench do).
       for preset in ${COMPILE_PRESETS:-30m 125m 1b}; do
         case "$preset" in 30m) tokens=64x512 ;; 125m) tokens=16x1024 ;; *) tokens=8x2048 ;; esac
-        log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens"
-        timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off compile --step "$preset" \
-          --tokens "$tokens" --scan auto --repeat ${REPEAT:-2} --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -5
+        for kf in ${KERNELS_FIRST:-on}; do
+          log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens, kernels first: $kf"
+          timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off --kernels-first "$kf" compile \
+            --step "$preset" --tokens "$tokens" --scan auto --repeat ${REPEAT:-2} \
+            --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -5
+        done
       done
       log "where the 30M first call goes (one process, XLA's longest compile events)"
       timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \

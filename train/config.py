@@ -183,6 +183,7 @@ class RunConfig:
   progress: bool = True
   compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (platform.default_cache_dir), "none"
   # (or "off"), or a path
+  kernels_first: bool = True  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling)
 
   def __post_init__(self):
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
@@ -393,7 +394,7 @@ def _deepcopy(x: Any) -> Any:
 # Settings a finished run's numbers do not depend on: its saved result holds whatever they are now. run.steps is
 # left to the callers (train.check_out_dir: it sets the learning-rate schedule; the study: it is the token budget).
 RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
-                          "progress", "compile_cache"},
+                          "progress", "compile_cache", "kernels_first"},
                   "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
 
 

@@ -247,6 +247,24 @@ class TrainState:
   all_finite: Any
 
 
+class CompiledOnFirstCall:
+  """`jitted(*args, *bound)`, compiled on the first call by `fp4jax.compiling.compile_program` (the Pallas kernels
+  alone and in parallel first, on `threads`, kept in `directory`; threads=0 compiles as jax.jit does), then
+  run as that compiled program. Later calls must pass arguments of the first call's shapes and shardings, as a
+  training loop does."""
+
+  def __init__(self, jitted, *bound, threads: int | None, directory):
+    self.jitted, self.bound, self.threads, self.directory = jitted, bound, threads, directory
+    self.compiled = self.report = None
+
+  def __call__(self, *args):
+    if self.compiled is None:
+      from fp4jax import compiling
+      self.compiled, self.report = compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
+                                                             directory=self.directory)
+    return self.compiled(*args, *self.bound)
+
+
 def build_model(cfg: config_lib.Config, lcfg):
   """The run's Llama (route rules, kernels, dtype, scanning) with parameters from run.seed: one definition for
   the train state and the sharding preflight."""
@@ -292,8 +310,11 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
     model, _ = nnx.merge(graphdef, state)
     return cross_entropy(model, batch, eval_key)
 
-  train_step = functools.partial(keyed_train_step, base_key=base_key)  # (state, batch, step)
-  eval_step = functools.partial(keyed_eval_step, eval_key=eval_key)  # (state, batch)
+  threads = None if cfg.run.kernels_first else 0
+  kernels = platform.kernel_cache_dir(platform.cache_dir(cfg.run.compile_cache))
+  # (state, batch, step) and (state, batch)
+  train_step = CompiledOnFirstCall(keyed_train_step, base_key, threads=threads, directory=kernels)
+  eval_step = CompiledOnFirstCall(keyed_eval_step, eval_key, threads=threads, directory=kernels)
 
   @jax.jit
   def all_finite(state):

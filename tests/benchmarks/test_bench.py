@@ -1,5 +1,6 @@
 """The benchmark app runs end to end on CPU (tiny shapes, interpret mode) and parses what it must."""
 
+import argparse
 import collections
 import dataclasses
 import json
@@ -68,7 +69,7 @@ def test_bench_compile_passes_lists_xla_compile_events(capsys):
 def test_compile_events_single_events_sum_to_the_totals():
   """The single events of `compile_events` are the events its totals sum by name."""
   lowered = jax.jit(lambda a: jnp.sin(a) @ a).trace(jax.ShapeDtypeStruct((64, 64), jnp.float32)).lower()
-  _, totals, singles = compile_bench.compile_events(lowered)
+  _, totals, singles, _ = compile_bench.compile_events(lowered)
   by_name = collections.defaultdict(float)
   for event in singles:
     by_name[event.name] += event.seconds
@@ -556,3 +557,16 @@ def test_bench_diagnose_takes_sequences_past_the_presets_length(capsys):
   assert main(["--compile-cache", "off", "diagnose", "--tokens", "1x256", "--linears", "layers.0.mlp.down",
                "--routes", "bf16", "--samples", "1"]) == 0
   assert "on 1x256 random tokens" in capsys.readouterr().out
+
+
+def test_kernels_first_flag_sets_threads_and_keeps_kernels_beside_a_cache(capsys):
+  """`--kernels-first on|off|N` and `--compile-cache` as `fp4jax.compiling.kernels_first`'s keywords: kernel files
+  beside a cache that is on, in a temporary directory otherwise; a bad value is one usage line."""
+  from bench import args as args_lib  # pylint: disable=g-import-not-at-top
+  ns = lambda kf, cache: argparse.Namespace(kernels_first=kf, compile_cache=cache)
+  assert args_lib.kernels_first(ns("off", "off")) == {"threads": 0, "directory": None}
+  assert args_lib.kernels_first(ns("6", "/tmp/c")) == {"threads": 6, "directory": pathlib.Path("/tmp/c-xla-kernels")}
+  assert args_lib.kernels_first(ns("on", "/tmp/c"), cache=False) == {"threads": None, "directory": None}
+  with pytest.raises(SystemExit):
+    main(["--kernels-first", "fast", "compile", "--small"])
+  assert "--kernels-first takes on, off or a thread count, got 'fast'" in capsys.readouterr().err

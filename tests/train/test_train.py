@@ -294,8 +294,8 @@ def test_the_compiled_steps_do_not_depend_on_the_seed(tmp_path):
     ts = train.init_train_state(cfg, 257, train.make_mesh((1, 1), jax.devices()[:1]))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
     step, evaluate = ts.train_step, ts.eval_step
-    texts.append((step.func.lower(ts.state, batch, jnp.int32(0), **step.keywords).as_text(),
-                  evaluate.func.lower(ts.state, batch, **evaluate.keywords).as_text()))
+    texts.append((step.jitted.lower(ts.state, batch, jnp.int32(0), *step.bound).as_text(),
+                  evaluate.jitted.lower(ts.state, batch, *evaluate.bound).as_text()))
   assert texts[0] == texts[1]
 
 

@@ -1,0 +1,263 @@
+"""Compiling a program with its Pallas kernels compiled first, in parallel (`compile_program`).
+
+XLA:GPU compiles the Triton kernel of every `pallas_call` launch configuration in a program on the thread that
+emits the program, one after another: compiled for an H200 on a 2-core CPU (no GPU), the Llama-30M nvfp4 train
+step's 13 launches took 2.9 of its 7.5 s of compile, quartet2's 24 took 4.5 of 10.3 s, which the program no longer
+spent once they were compiled beforehand (docs/BENCHMARKS.md, "CPU session of 2026-12-05, 06:44"). The kernels
+do not depend on each other, and XLA releases the GIL while it compiles, so they can be compiled side by side, on
+the host's other CPUs, while Python lowers the program.
+
+How: XLA's kernel reuse cache (the `xla_gpu_kernel_cache_file` option). For a Triton call its key is the call's
+backend configuration: kernel name, Triton IR, grid, warps and stages, so a kernel compiled in a program of its
+own is taken by any program that holds the same call. `compile_program` traces the program, compiles each
+distinct Triton launch of its jaxpr alone on a thread pool, each into a file of its own, while the main thread
+lowers the program; merges the files (entries of those kernels only; a name met with two keys is left out);
+and compiles the program with the merged file. XLA reserves every name in the file before it names new
+kernels and takes a cached kernel only for an equal key, so the program runs the code it would run otherwise.
+The file is keyed by kernel name, so reuse needs one name per launch configuration: fp4jax's kernels are named
+so (`ops.quantize.pallas.common.launch_name`); kernels of other names compile as before, in the program.
+
+Where nothing is to gain it compiles the program as `jax.jit` does: no Triton launch (CPU, interpret mode), or
+no thread to spare (`threads=0`; by default on machines of 2 CPUs or fewer).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any, Iterator
+
+import jax
+
+from fp4jax import platform
+
+KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One distinct Triton `pallas_call` of a program: its kernel name, the primitive and its parameters, and the
+  abstract operands (what compiling it alone needs)."""
+
+  name: str
+  primitive: Any
+  params: dict
+  avals: tuple
+
+
+@dataclasses.dataclass
+class Report:
+  """What `kernels_first` and `compile_lowered` did: launches compiled alone (`kernels`; 0 when none was, or
+  the program's kernel file was there already), on how many threads, the seconds from their start to the last
+  one's end (`kernel_s`, overlapping the lowering), the launches that failed to compile alone (`failed`), how
+  long the program's own compile then took (`program_s`), and why it compiled without the kernel file
+  (`fallback`, None if it did not)."""
+
+  kernels: int = 0
+  threads: int = 0
+  kernel_s: float = 0.0
+  program_s: float = 0.0
+  fallback: str | None = None
+  failed: list[str] = dataclasses.field(default_factory=list)
+
+
+def _subjaxprs(value) -> Iterator[Any]:
+  """The jaxprs inside one equation parameter (a jaxpr, a closed one, or a tuple of them)."""
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax.extend.core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _subjaxprs(v)
+
+
+def triton_launches(jaxpr) -> list[Launch]:
+  """The distinct Triton `pallas_call`s in `jaxpr` and every jaxpr nested in it (scan bodies, custom_vjp and
+  checkpoint regions, conds), in first-seen order; interpret-mode and Mosaic GPU calls are not Triton."""
+  seen: dict[tuple, Launch] = {}
+
+  def visit(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "pallas_call" and not eqn.params["interpret"] and \
+          type(eqn.params["compiler_params"]).__module__.endswith("triton.core"):
+        avals = tuple(v.aval for v in eqn.invars)
+        key = (eqn.params["name"], repr(eqn.params["grid_mapping"]), avals)
+        seen.setdefault(key, Launch(eqn.params["name"], eqn.primitive, dict(eqn.params), avals))
+      for value in eqn.params.values():
+        for sub in _subjaxprs(value):
+          visit(sub)
+
+  visit(jaxpr)
+  return list(seen.values())
+
+
+def _compile_alone(launch: Launch, path: str, mesh) -> None:
+  """Compiles `launch` as a program of its own (under the caller's `mesh`, None for none), its kernel written to
+  the kernel file `path`."""
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)) for a in launch.avals]
+  fn = jax.jit(lambda *ops: launch.primitive.bind(*ops, **launch.params))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    fn.trace(*args).lower().compile(compiler_options={KERNEL_CACHE_OPTION: path})
+
+
+# The kernel file is XLA's CompilationCacheProto: entries (field 1, map<string name, entry>; the entry's field 1
+# is its key) and compatibility_version (field 2). Read as protobuf wire format.
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+  value = shift = 0
+  while True:
+    byte = data[i]
+    i += 1
+    value |= (byte & 0x7F) << shift
+    if not byte & 0x80:
+      return value, i
+    shift += 7
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, bytes | int, bytes]]:
+  """(field number, value, the field's bytes) of a serialized message; varint and length-delimited fields."""
+  i = 0
+  while i < len(data):
+    start = i
+    tag, i = _varint(data, i)
+    number, wire = tag >> 3, tag & 7
+    if wire == 0:
+      value, i = _varint(data, i)
+    elif wire == 2:
+      size, i = _varint(data, i)
+      value, i = data[i:i + size], i + size
+    else:
+      raise ValueError(f"unexpected protobuf wire type {wire} in an XLA kernel file")
+    yield number, value, data[start:i]
+
+
+def kernel_entries(data: bytes) -> tuple[list[tuple[str, bytes, bytes]], bytes]:
+  """((name, key, the entry's bytes) of each kernel, the version field's bytes) of a kernel file's contents."""
+  entries, version = [], b""
+  for number, value, raw in _fields(data):
+    if number == 1:
+      pair = {n: v for n, v, _ in _fields(value)}
+      entry = {n: v for n, v, _ in _fields(pair.get(2, b""))}
+      entries.append((pair[1].decode(), entry.get(1, b""), raw))
+    elif number == 2:
+      version = raw
+  return entries, version
+
+
+def merge_kernel_files(contents: list[bytes], names: set[str]) -> tuple[bytes, int]:
+  """One kernel file of the entries named in `names` from several files' `contents` (a key kept once), and how
+  many kernels it holds. A name met with two different keys is left out: the file maps names to kernels."""
+  keys: dict[str, set[bytes]] = {}
+  raw: dict[str, bytes] = {}
+  version = b""
+  for data in contents:
+    entries, v = kernel_entries(data)
+    version = version or v
+    for name, key, entry in entries:
+      if name in names:
+        keys.setdefault(name, set()).add(key)
+        raw.setdefault(name, entry)
+  kept = [raw[n] for n in sorted(raw) if len(keys[n]) == 1]
+  return b"".join(kept) + version, len(kept)
+
+
+def _digest(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _write_atomically(path: pathlib.Path, data: bytes) -> None:
+  """Writes `path` through a temporary file and a rename: a process reading it sees the old or the new file."""
+  tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
+                  directory: str | os.PathLike | None = None) -> Iterator[tuple[jax.stages.Lowered, dict, Report]]:
+  """Inside: (the lowered program, the compiler options that hand it its kernels, a `Report`). Compiles the
+  distinct Triton launches of `traced` alone on `threads` threads while it lowers the program, and merges their
+  kernels into the program's kernel file (module docstring). Default threads: one per usable CPU but one, none
+  below 2 (with one thread the kernels would compile one after the other, as in the program).
+
+  The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
+  launch that fails to compile alone (e.g. one inside `shard_map`, whose operands vary over mesh axes) is left to
+  the program (`Report.failed`).
+  directory: where the kernel files are kept. None: a temporary directory, deleted on exit. A directory that
+  persists (beside JAX's persistent compilation cache: `platform.kernel_cache_dir`) keeps the program's kernel
+  file, named by its kernels: a later compile of a program with the same kernels takes that file and compiles
+  no kernel alone (XLA adds the program's other kernels to it, and replaces a kernel whose code changed), and
+  the file's path, part of JAX's cache key, stays the same from one run to the next.
+  """
+  launches = triton_launches(traced.jaxpr.jaxpr)
+  if threads is None:
+    threads = platform.usable_cpus() - 1 if platform.usable_cpus() > 2 else 0
+  report = Report()
+  if not launches or threads <= 0:
+    yield traced.lower(), {}, report
+    return
+  keep = directory is not None
+  kernel_dir = pathlib.Path(directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
+  kernel_dir.mkdir(parents=True, exist_ok=True)
+  try:
+    names = [_digest(repr((l.name, l.avals, repr(l.params["grid_mapping"])))) + "-" + l.name for l in launches]
+    program_file = kernel_dir / f"program-{_digest(' '.join(sorted(names)))}.bin"
+    if program_file.exists():  # compiled before: XLA takes its kernels (and replaces those that changed)
+      lowered = traced.lower()
+    else:
+      report.kernels, report.threads = len(launches), min(threads, len(launches))
+      (kernel_dir / "kernels").mkdir(exist_ok=True)
+      paths = [str(kernel_dir / "kernels" / f"{n}.bin") for n in names]
+      mesh = jax.sharding.get_mesh()
+      mesh = None if mesh is None or mesh.empty else mesh
+      t0 = time.perf_counter()
+      with concurrent.futures.ThreadPoolExecutor(report.threads) as pool:
+        jobs = [pool.submit(_compile_alone, l, p, mesh) for l, p in zip(launches, paths)]
+        lowered = traced.lower()  # meanwhile: XLA compiles the kernels without holding the GIL
+        for launch, job in zip(launches, jobs):
+          if job.exception() is not None:
+            report.failed.append(f"{launch.name}: {type(job.exception()).__name__}")
+      report.kernel_s = time.perf_counter() - t0
+      merged, _ = merge_kernel_files([pathlib.Path(p).read_bytes() for p in paths if os.path.exists(p)],
+                                     {l.name for l in launches})
+      _write_atomically(program_file, merged)
+    yield lowered, {KERNEL_CACHE_OPTION: str(program_file)}, report
+  finally:
+    if not keep:
+      shutil.rmtree(kernel_dir, ignore_errors=True)
+
+
+def compile_lowered(lowered: jax.stages.Lowered, options: dict, report: Report,
+                    compiler_options: dict | None = None) -> jax.stages.Compiled:
+  """`lowered` compiled with `options` (`kernels_first`'s) added to `compiler_options`; a compile that fails
+  with the kernel file runs again without it, with a warning (`report.fallback` says why)."""
+  base = dict(compiler_options or {})
+  t0 = time.perf_counter()
+  try:
+    compiled = lowered.compile(compiler_options={**base, **options} or None)
+  except Exception as e:  # pylint: disable=broad-except  # any failure with the file: compile as without it
+    if not options:
+      raise
+    report.fallback = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    warnings.warn(f"compiling with the kernels compiled first failed ({report.fallback}); compiling the "
+                  f"program alone", stacklevel=2)
+    compiled = lowered.compile(compiler_options=base or None)
+  report.program_s = time.perf_counter() - t0
+  return compiled
+
+
+def compile_program(jitted, *args, threads: int | None = None, directory: str | os.PathLike | None = None,
+                    compiler_options: dict | None = None) -> tuple[jax.stages.Compiled, Report]:
+  """`jitted` (a `jax.jit` function) traced, lowered and compiled for `args` (arrays or ShapeDtypeStructs), its
+  Triton kernels compiled first (`kernels_first`, whose `threads` and `directory` these are); returns the
+  compiled program and the `Report`. compiler_options: for the program's compile, the kernel file added."""
+  with kernels_first(jitted.trace(*args), threads=threads, directory=directory) as (lowered, options, report):
+    return compile_lowered(lowered, options, report, compiler_options), report

@@ -1,0 +1,149 @@
+"""fp4jax.compiling: the Triton launches it finds, the kernel files it merges, the kernels' launch names, a
+program compiled with its kernels first for an H200 (JAX's CUDA plugin, no GPU) and run on a GPU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import compile as compile_bench
+from bench import triton as bench_triton
+from fp4jax import Impl, compiling, fp4_dot
+from fp4jax.ops.quantize.pallas import common
+
+
+def _varint(n: int) -> bytes:
+  out = b""
+  while True:
+    byte, n = n & 0x7F, n >> 7
+    out += bytes([byte | (0x80 if n else 0)])
+    if not n:
+      return out
+
+
+def _field(number: int, payload: bytes) -> bytes:
+  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _kernel_file(*entries: tuple[str, str], version: int = 3) -> bytes:
+  """A CompilationCacheProto of (name, key) entries, each with a binary field (5) besides its key (1)."""
+  body = b"".join(_field(1, _field(1, n.encode()) + _field(2, _field(1, k.encode()) + _field(5, b"\x7fELF")))
+                  for n, k in entries)
+  return body + _varint(2 << 3) + _varint(version)
+
+
+def test_merge_keeps_each_named_kernel_once_and_drops_a_name_with_two_keys():
+  a = _kernel_file(("k1", "key1"), ("other", "x"), ("k2", "key2"))
+  b = _kernel_file(("k1", "key1"), ("k3", "key3a"))
+  c = _kernel_file(("k3", "key3b"), version=3)
+  merged, count = compiling.merge_kernel_files([a, b, c], {"k1", "k2", "k3"})
+  entries, version = compiling.kernel_entries(merged)
+  assert [(n, k) for n, k, _ in entries] == [("k1", b"key1"), ("k2", b"key2")] and count == 2
+  assert version == _varint(2 << 3) + _varint(3)
+  assert compiling.kernel_entries(_kernel_file(("k1", "key1")))[0][0][2] in merged  # entries copied whole
+
+
+def test_launch_names_follow_the_configuration_and_not_the_process():
+  cfg = Impl(quantizer="xla")  # any frozen dataclass: its repr is its fields
+  name = common.launch_name("k", cfg, (4, 8))
+  assert name == common.launch_name("k", Impl(quantizer="xla"), (4, 8)) and name.startswith("k_")
+  assert name[-1].isalpha()  # XLA's name uniquer would read trailing digits as a variant number
+  assert len({name, common.launch_name("k", cfg, (8, 4)), common.launch_name("k", Impl(), (4, 8))}) == 3
+  code = "from fp4jax import Impl; from fp4jax.ops.quantize.pallas import common; " \
+         "print(common.launch_name('k', Impl(quantizer='xla'), (4, 8)))"
+  other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.strip()
+  assert other == name
+  assert "0x" not in common._describe(common.launch_name)  # pylint: disable=protected-access
+
+
+def _fwd_bwd(route: str, impl: Impl):
+  def f(x, w, dy, key):
+    y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route=route, key=key, impl=impl), x, w)
+    return y, *vjp(dy)
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((256, 512), (512, 384), (256, 384))]
+  return f, args + [jax.eval_shape(lambda: jax.random.key(0))]
+
+
+@pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
+def test_every_distinct_launch_is_found_in_forward_and_backward(route):
+  """The launches found in the traced jaxpr (custom_vjp backward included) are the lowered program's distinct
+  Triton launch configurations, each with its own name; interpret-mode kernels are none."""
+  f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
+  with bench_triton.on_abstract_h200():
+    traced = jax.jit(f).trace(*args)
+    launches = compiling.triton_launches(traced.jaxpr.jaxpr)
+    _, _, configs = compile_bench.kernel_counts(traced.lower(lowering_platforms=("cuda",)).as_text())
+  assert len(launches) == configs > 0
+  assert len({l.name for l in launches}) == len(launches)
+  f, args = _fwd_bwd(route, Impl(quantizer="interpret"))
+  assert compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr) == []
+
+
+def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
+  fn = jax.jit(lambda x: jnp.sin(x) * 2)
+  compiled, report = compiling.compile_program(fn, jnp.arange(4.0), threads=4)
+  assert report.kernels == 0 and report.fallback is None
+  np.testing.assert_array_equal(compiled(jnp.arange(4.0)), fn(jnp.arange(4.0)))
+
+
+_H200_KERNELS_FIRST = """
+import json, pathlib, sys
+import jax, jax.numpy as jnp
+from bench import compile as compile_bench
+from fp4jax import Impl, compiling, fp4_dot
+sys.path.insert(0, "tests")
+from test_compiling import _fwd_bwd
+mesh = compile_bench._deviceless_h200()
+out = {}
+for route in ("nvfp4", "quartet2"):
+  f, args = _fwd_bwd(route, Impl())
+  with jax.set_mesh(mesh):
+    args = compile_bench._on(mesh, args)
+    plain = jax.jit(f).trace(*args).lower().compile().as_text()
+    directory = pathlib.Path(sys.argv[1]) / route
+    compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory)
+    launches = compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)
+  [program_file] = directory.glob("program-*.bin")
+  entries, _ = compiling.kernel_entries(program_file.read_bytes())
+  out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels,
+                "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
+                "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax"))}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
+def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
+  """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward with its kernels compiled first: the
+  same optimized program as compiled alone, every launch compiled alone, none failed, and the program's kernel
+  file afterwards holds exactly those kernels under their names: XLA took each (a kernel it had compiled itself
+  would have been added under a name of its own, `name_1`)."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+  done = subprocess.run([sys.executable, "-c", _H200_KERNELS_FIRST, str(tmp_path)], capture_output=True, text=True,
+                        env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert done.returncode == 0, done.stderr[-2000:]
+  for route, r in json.loads(done.stdout.strip().splitlines()[-1]).items():
+    assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
+    assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
+def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_path):
+  """On the GPU: fp4_dot's forward and backward compiled with its kernels compiled first runs, and gives the
+  bits of the program compiled alone, on fresh random inputs."""
+  f, _ = _fwd_bwd(route, Impl())
+  kx, kw, kd = jax.random.split(jax.random.key(np.random.SeedSequence().entropy % 2**31), 3)
+  args = [jax.random.normal(k, s, jnp.bfloat16) for k, s in ((kx, (256, 512)), (kw, (512, 384)), (kd, (256, 384)))]
+  args.append(jax.random.key(7))
+  compiled, report = compiling.compile_program(jax.jit(f), *args, threads=4, directory=tmp_path)
+  assert report.kernels > 0 and report.fallback is None and not report.failed
+  for got, want in zip(compiled(*args), jax.jit(f)(*args)):
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
