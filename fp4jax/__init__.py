@@ -2,7 +2,7 @@
 
 Flat re-exports only; see README.md and docs/ARCHITECTURE.md for the tour. The Flax modules (`FP4Linear`,
 `RouteRules`, `fp4jax.nn`) load on first use, so `import fp4jax` does not import Flax; `fp4jax.diagnostics`
-(no Flax) loads on first use too.
+(no Flax) and `fp4jax.compiling` load on first use too.
 """
 
 import importlib
@@ -18,7 +18,7 @@ from fp4jax.route import Route
 
 __version__ = "0.1.0"
 
-_LAZY = {"FP4Linear": "fp4jax.nn", "RouteRules": "fp4jax.nn", "nn": None, "diagnostics": None}
+_LAZY = {"FP4Linear": "fp4jax.nn", "RouteRules": "fp4jax.nn", "nn": None, "diagnostics": None, "compiling": None}
 
 
 def __getattr__(name: str):
