@@ -205,8 +205,13 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
     yield traced.lower(), {}, report
     return
   keep = directory is not None
+  if keep:
+    try:
+      pathlib.Path(directory, "kernels").mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # an unwritable cache location: this compile keeps its kernel files in a temporary one
+      warnings.warn(f"cannot keep kernel files in {directory} ({e}); using a temporary directory", stacklevel=3)
+      keep = False
   kernel_dir = pathlib.Path(directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
-  kernel_dir.mkdir(parents=True, exist_ok=True)
   try:
     names = [_digest(repr((l.name, l.avals, repr(l.params["grid_mapping"])))) + "-" + l.name for l in launches]
     program_file = kernel_dir / f"program-{_digest(' '.join(sorted(names)))}.bin"
@@ -214,7 +219,7 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
       lowered = traced.lower()
     else:
       report.kernels, report.threads = len(launches), min(threads, len(launches))
-      (kernel_dir / "kernels").mkdir(exist_ok=True)
+      (kernel_dir / "kernels").mkdir(parents=True, exist_ok=True)
       paths = [str(kernel_dir / "kernels" / f"{n}.bin") for n in names]
       mesh = jax.sharding.get_mesh()
       mesh = None if mesh is None or mesh.empty else mesh

@@ -94,7 +94,7 @@ def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
 
 
 _H200_KERNELS_FIRST = """
-import json, pathlib, sys
+import json, pathlib, sys, warnings
 import jax, jax.numpy as jnp
 from bench import compile as compile_bench
 from fp4jax import Impl, compiling, fp4_dot
@@ -115,6 +115,14 @@ for route in ("nvfp4", "quartet2"):
   out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels,
                 "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
                 "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax"))}
+blocked = pathlib.Path(sys.argv[1]) / "a-file"
+blocked.write_text("")
+f, args = _fwd_bwd("nvfp4", Impl())
+with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  _, report = compiling.compile_program(jax.jit(f), *compile_bench._on(mesh, args), threads=2, directory=blocked / "k")
+out["unwritable"] = {"kernels": report.kernels, "warned": any("cannot keep kernel files" in str(w.message)
+                                                               for w in caught)}
 print(json.dumps(out))
 """
 
@@ -124,12 +132,16 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
   """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward with its kernels compiled first: the
   same optimized program as compiled alone, every launch compiled alone, none failed, and the program's kernel
   file afterwards holds exactly those kernels under their names: XLA took each (a kernel it had compiled itself
-  would have been added under a name of its own, `name_1`)."""
+  would have been added under a name of its own, `name_1`). A kernel directory that cannot be made is a warning,
+  and the kernels go to a temporary one."""
   env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
   done = subprocess.run([sys.executable, "-c", _H200_KERNELS_FIRST, str(tmp_path)], capture_output=True, text=True,
                         env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
   assert done.returncode == 0, done.stderr[-2000:]
-  for route, r in json.loads(done.stdout.strip().splitlines()[-1]).items():
+  results = json.loads(done.stdout.strip().splitlines()[-1])
+  unwritable = results.pop("unwritable")  # a directory that cannot be made: a warning, and a temporary one
+  assert unwritable["warned"] and unwritable["kernels"] > 0, unwritable
+  for route, r in results.items():
     assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
     assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
 
