@@ -225,11 +225,14 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
       mesh = None if mesh is None or mesh.empty else mesh
       t0 = time.perf_counter()
       with concurrent.futures.ThreadPoolExecutor(report.threads) as pool:
-        jobs = [pool.submit(_compile_alone, l, p, mesh) for l, p in zip(launches, paths)]
+        # The largest kernel bodies first (their equations: a proxy of their compile time), so that with fewer
+        # threads than launches the last to finish is a short one.
+        order = sorted(range(len(launches)), key=lambda i: -len(launches[i].params["jaxpr"].eqns))
+        jobs = {i: pool.submit(_compile_alone, launches[i], paths[i], mesh) for i in order}
         lowered = traced.lower()  # meanwhile: XLA compiles the kernels without holding the GIL
-        for launch, job in zip(launches, jobs):
-          if job.exception() is not None:
-            report.failed.append(f"{launch.name}: {type(job.exception()).__name__}")
+        for i, launch in enumerate(launches):
+          if jobs[i].exception() is not None:
+            report.failed.append(f"{launch.name}: {type(jobs[i].exception()).__name__}")
       report.kernel_s = time.perf_counter() - t0
       merged, _ = merge_kernel_files([pathlib.Path(p).read_bytes() for p in paths if os.path.exists(p)],
                                      {l.name for l in launches})
