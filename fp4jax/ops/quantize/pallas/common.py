@@ -242,10 +242,13 @@ def view_arrays(rc, rs, cc, cs, m: int, k: int, block: int, values: tuple[bool, 
 
 def _describe(obj) -> str:
   """A deterministic text of a kernel's static part: a function by its qualified name, a partial by its function
-  and arguments (configs are frozen dataclasses, whose repr is their fields), anything else by repr."""
+  and arguments, tuples and lists item by item (configs are frozen dataclasses, whose repr is their fields),
+  anything else by repr. No memory address: the same launch gets the same name in every process."""
   if isinstance(obj, functools.partial):
     args = [_describe(a) for a in obj.args] + [f"{k}={_describe(v)}" for k, v in sorted(obj.keywords.items())]
     return f"{_describe(obj.func)}({', '.join(args)})"
+  if isinstance(obj, (tuple, list)):
+    return f"({', '.join(map(_describe, obj))})"
   if callable(obj) and hasattr(obj, "__qualname__"):
     return f"{obj.__module__}.{obj.__qualname__}"
   return repr(obj)
