@@ -126,7 +126,11 @@ for route in ("nvfp4", "quartet2"):
     directory = pathlib.Path(sys.argv[1]) / route
     compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory)
     launches = compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)
+    with compiling.kernels_first(jax.jit(f).trace(*args), threads=2, directory=directory) as (_, again, rerun):
+      pass  # the kept program file: nothing compiles alone, the same path (JAX's cache key)
   [program_file] = directory.glob("program-*.bin")
+  out[route + " again"] = {"kernels": rerun.kernels, "same_file": again == {compiling.KERNEL_CACHE_OPTION:
+                                                                               str(program_file)}}
   entries, _ = compiling.kernel_entries(program_file.read_bytes())
   out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels,
                 "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
@@ -149,8 +153,9 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
   """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward with its kernels compiled first: the
   same optimized program as compiled alone, every launch compiled alone, none failed, and the program's kernel
   file afterwards holds exactly those kernels under their names: XLA took each (a kernel it had compiled itself
-  would have been added under a name of its own, `name_1`). A kernel directory that cannot be made is a warning,
-  and the kernels go to a temporary one."""
+  would have been added under a name of its own, `name_1`). A second compile with that directory takes the file
+  as it is (no kernel compiled alone, the same path). A kernel directory that cannot be made is a warning, and
+  the kernels go to a temporary one."""
   env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
   done = subprocess.run([sys.executable, "-c", _H200_KERNELS_FIRST, str(tmp_path)], capture_output=True, text=True,
                         env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
@@ -158,6 +163,8 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
   results = json.loads(done.stdout.strip().splitlines()[-1])
   unwritable = results.pop("unwritable")  # a directory that cannot be made: a warning, and a temporary one
   assert unwritable["warned"] and unwritable["kernels"] > 0, unwritable
+  for route in ("nvfp4", "quartet2"):
+    assert results.pop(route + " again") == {"kernels": 0, "same_file": True}, route
   for route, r in results.items():
     assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
     assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
