@@ -100,10 +100,21 @@ def triton_launches(jaxpr) -> list[Launch]:
   return list(seen.values())
 
 
+def standalone_arg(aval, mesh) -> jax.ShapeDtypeStruct:
+  """The abstract argument for compiling a launch alone from one of its operands' avals: a jaxpr's avals carry
+  shardings over an abstract mesh, which compile only under a concrete one, so such a sharding is rebuilt on
+  `mesh` (the caller's concrete mesh, as an H200 compiled for without one needs) or dropped (None: the default
+  device, as a single-device step runs)."""
+  sharding = getattr(aval, "sharding", None)
+  if sharding is not None and not isinstance(getattr(sharding, "mesh", None), jax.sharding.Mesh):
+    sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, sharding.spec)
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
 def _compile_alone(launch: Launch, path: str, mesh) -> None:
-  """Compiles `launch` as a program of its own (under the caller's `mesh`, None for none), its kernel written to
-  the kernel file `path`."""
-  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)) for a in launch.avals]
+  """Compiles `launch` as a program of its own (under the caller's concrete `mesh`, None for none), its kernel
+  written to the kernel file `path`."""
+  args = [standalone_arg(a, mesh) for a in launch.avals]
   fn = jax.jit(lambda *ops: launch.primitive.bind(*ops, **launch.params))
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     fn.trace(*args).lower().compile(compiler_options={KERNEL_CACHE_OPTION: path})

@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,7 @@ def _launch_names() -> list[str]:
 
 _LAUNCH_NAMES = """
 import sys
+import threading
 sys.path.insert(0, "tests")
 from test_compiling import _launch_names
 print(" ".join(_launch_names()))
@@ -183,3 +185,20 @@ def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_
   assert report.kernels > 0 and report.fallback is None and not report.failed
   for got, want in zip(compiled(*args), jax.jit(f)(*args)):
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_standalone_args_compile_off_the_main_thread_whatever_mesh_the_jaxpr_names():
+  """A traced step's avals name an abstract mesh; a launch compiled alone, on a worker thread with no mesh, gets
+  its operands on the default device (one GPU's step), or on the caller's concrete mesh where there is one."""
+  mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
+  x = jax.device_put(jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
+  aval = jax.jit(lambda x: x * 2).trace(x).jaxpr.jaxpr.invars[0].aval
+  assert compiling.standalone_arg(aval, None).sharding is None
+  on_mesh = compiling.standalone_arg(aval, mesh).sharding
+  assert on_mesh.mesh is mesh and on_mesh.spec == aval.sharding.spec
+  done = []
+  worker = threading.Thread(target=lambda: done.append(
+      jax.jit(lambda v: v + 1).trace(compiling.standalone_arg(aval, None)).lower().compile()))
+  worker.start()
+  worker.join()
+  assert len(done) == 1
