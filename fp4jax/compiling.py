@@ -257,7 +257,8 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
 def compile_lowered(lowered: jax.stages.Lowered, options: dict, report: Report,
                     compiler_options: dict | None = None) -> jax.stages.Compiled:
   """`lowered` compiled with `options` (`kernels_first`'s) added to `compiler_options`; a compile that fails
-  with the kernel file runs again without it, with a warning (`report.fallback` says why)."""
+  with the kernel file runs again without it, with a warning (`report.fallback` says why), and the file is
+  deleted."""
   base = dict(compiler_options or {})
   t0 = time.perf_counter()
   try:
@@ -268,6 +269,8 @@ def compile_lowered(lowered: jax.stages.Lowered, options: dict, report: Report,
     report.fallback = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     warnings.warn(f"compiling with the kernels compiled first failed ({report.fallback}); compiling the "
                   f"program alone", stacklevel=2)
+    with contextlib.suppress(OSError):  # a kept file would fail the next compile too: the next builds it anew
+      os.remove(options[KERNEL_CACHE_OPTION])
     compiled = lowered.compile(compiler_options=base or None)
   report.program_s = time.perf_counter() - t0
   return compiled

@@ -202,3 +202,27 @@ def test_standalone_args_compile_off_the_main_thread_whatever_mesh_the_jaxpr_nam
   worker.start()
   worker.join()
   assert len(done) == 1
+
+
+def test_a_compile_that_fails_with_the_kernel_file_compiles_again_without_it(tmp_path):
+  """The fallback: a warning, the program compiled as jax.jit would, and the kernel file deleted."""
+  bad = tmp_path / "program-x.bin"
+  bad.write_bytes(b"not a kernel file")
+
+  class Lowered:  # fails with the kernel file, compiles without it
+    def compile(self, compiler_options=None):
+      if compiler_options and compiling.KERNEL_CACHE_OPTION in compiler_options:
+        raise RuntimeError("cannot link cached kernels")
+      return "compiled"
+
+  report = compiling.Report()
+  with pytest.warns(UserWarning, match="cannot link cached kernels"):
+    assert compiling.compile_lowered(Lowered(), {compiling.KERNEL_CACHE_OPTION: str(bad)}, report) == "compiled"
+  assert report.fallback == "RuntimeError: cannot link cached kernels" and not bad.exists()
+
+  class Broken:  # fails however it is compiled
+    def compile(self, compiler_options=None):
+      raise RuntimeError("the program's own error")
+
+  with pytest.raises(RuntimeError, match="the program's own error"):  # no kernel file: nothing to fall back from
+    compiling.compile_lowered(Broken(), {}, compiling.Report())
