@@ -191,8 +191,7 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
                                                jax.ShapeDtypeStruct((), jnp.int32), **args_lib.kernels_first(args))
   row["compile_s"] = time.perf_counter() - t0
   row["kernels_first"], row["kernels_first_s"] = report.kernels, report.kernel_s
-  first = f" ({report.kernels} kernels compiled first in {report.kernel_s:.1f} s)" if report.kernels else ""
-  _progress(route, f"compiled in {row['compile_s']:.1f} s{first}")
+  _progress(route, f"compiled in {row['compile_s']:.1f} s" + (f" ({report.summary()})" if report.summary() else ""))
   if args.hlo:
     path = pathlib.Path(args.hlo) / (f"{args.preset}_{cfg.n_layers}l_{batch}x{seq}_"
                                      f"{'scan_' + args.scan_saves if scan else 'unrolled'}_{route}.hlo.txt")

@@ -68,6 +68,18 @@ class Report:
   fallback: str | None = None
   failed: list[str] = dataclasses.field(default_factory=list)
 
+  def summary(self) -> str:
+    """One line on how the kernels compiled ("" where none compiled alone and nothing went wrong)."""
+    parts = []
+    if self.kernels:
+      parts.append(f"{self.kernels} Pallas kernels compiled first on {self.threads} threads in "
+                   f"{self.kernel_s:.1f} s, then the program in {self.program_s:.1f} s")
+    if self.failed:
+      parts.append(f"{len(self.failed)} kernels left to the program ({', '.join(self.failed[:3])})")
+    if self.fallback:
+      parts.append(f"compiled again without them ({self.fallback})")
+    return "; ".join(parts)
+
 
 def _subjaxprs(value) -> Iterator[Any]:
   """The jaxprs inside one equation parameter (a jaxpr, a closed one, or a tuple of them)."""

@@ -227,3 +227,12 @@ def test_a_compile_that_fails_with_the_kernel_file_compiles_again_without_it(tmp
 
   with pytest.raises(RuntimeError, match="the program's own error"):  # no kernel file: nothing to fall back from
     compiling.compile_lowered(Broken(), {}, compiling.Report())
+
+
+def test_report_summary_says_how_the_kernels_compiled():
+  report = compiling.Report(kernels=13, threads=15, kernel_s=1.25, program_s=4.0)
+  assert report.summary() == "13 Pallas kernels compiled first on 15 threads in 1.2 s, then the program in 4.0 s"
+  report = compiling.Report(failed=["k_1: TypeError"], fallback="XlaRuntimeError: link")
+  assert report.summary() == ("1 kernels left to the program (k_1: TypeError); compiled again without them "
+                              "(XlaRuntimeError: link)")
+  assert compiling.Report().summary() == ""

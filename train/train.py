@@ -470,19 +470,6 @@ def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0):
       print(f"[{label}] train step compiled in {elapsed[0]:.1f} s", file=sys.stderr, flush=True)
 
 
-def compiling_summary(report) -> str:
-  """One line on how the step's Pallas kernels compiled (`fp4jax.compiling.Report`)."""
-  parts = []
-  if report.kernels:
-    parts.append(f"{report.kernels} Pallas kernels compiled first on {report.threads} threads in "
-                 f"{report.kernel_s:.1f} s, then the step in {report.program_s:.1f} s")
-  if report.failed:
-    parts.append(f"{len(report.failed)} kernels left to the step ({', '.join(report.failed[:3])})")
-  if report.fallback:
-    parts.append(f"compiled again without them ({report.fallback})")
-  return "; ".join(parts)
-
-
 def last_good(ckpt: checkpoint.Checkpointer) -> str:
   """The divergence message's tail: the newest checkpoint to go back to, if any."""
   step = ckpt.latest_step()
@@ -534,8 +521,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
             ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
           compile_s = timer()
           report = getattr(ts.train_step, "report", None)
-          if lead and report is not None and (report.kernels or report.fallback or report.failed):
-            print(f"[{label}] {compiling_summary(report)}", file=sys.stderr, flush=True)
+          if lead and report is not None and report.summary():
+            print(f"[{label}] {report.summary()}", file=sys.stderr, flush=True)
         else:
           ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
         if pending:  # the previous step's loss, read while this step runs: no device idle time

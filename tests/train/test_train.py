@@ -389,12 +389,3 @@ def test_lr_schedules():
   with pytest.raises(config.ConfigError, match=r"optim.schedule='linear' must be one of \['cosine', 'wsd'\]"):
     train.lr_schedule(config.OptimConfig(schedule="linear"), 10)
 
-
-def test_compiling_summary_says_how_the_kernels_compiled():
-  from fp4jax import compiling  # pylint: disable=g-import-not-at-top
-  report = compiling.Report(kernels=13, threads=15, kernel_s=1.25, program_s=4.0)
-  assert train.compiling_summary(report) == ("13 Pallas kernels compiled first on 15 threads in 1.2 s, then the step "
-                                             "in 4.0 s")
-  report = compiling.Report(failed=["k_1: TypeError"], fallback="XlaRuntimeError: link")
-  assert train.compiling_summary(report) == ("1 kernels left to the step (k_1: TypeError); compiled again without "
-                                             "them (XlaRuntimeError: link)")
