@@ -96,7 +96,7 @@ def kernels_first(args: argparse.Namespace, cache: bool = True) -> dict:
   first, on its default threads; N: on N threads; off: in the program, as jax.jit compiles) and
   `--compile-cache` (the kernel files kept beside a cache that is on and `cache`, else in a temporary
   directory)."""
-  threads = {"on": None, "off": 0}.get(args.kernels_first) if not args.kernels_first.isdigit() else \
+  threads = {"on": None, "off": 0}[args.kernels_first] if args.kernels_first in ("on", "off") else \
       int(args.kernels_first)
   return {"threads": threads,
           "directory": platform.kernel_cache_dir(platform.cache_dir(args.compile_cache)) if cache else None}

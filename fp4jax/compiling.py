@@ -222,7 +222,8 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
   """
   launches = triton_launches(traced.jaxpr.jaxpr)
   if threads is None:
-    threads = platform.usable_cpus() - 1 if platform.usable_cpus() > 2 else 0
+    cpus = platform.usable_cpus()
+    threads = cpus - 1 if cpus > 2 else 0
   report = Report()
   if not launches or threads <= 0:
     yield traced.lower(), {}, report
@@ -235,6 +236,7 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
       warnings.warn(f"cannot keep kernel files in {directory} ({e}); using a temporary directory", stacklevel=3)
       keep = False
   kernel_dir = pathlib.Path(directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
+  (kernel_dir / "kernels").mkdir(exist_ok=True)
   try:
     names = [_digest(repr((l.name, l.avals, repr(l.params["grid_mapping"])))) + "-" + l.name for l in launches]
     program_file = kernel_dir / f"program-{_digest(' '.join(sorted(names)))}.bin"
@@ -242,7 +244,6 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
       lowered = traced.lower()
     else:
       report.kernels, report.threads = len(launches), min(threads, len(launches))
-      (kernel_dir / "kernels").mkdir(parents=True, exist_ok=True)
       paths = [str(kernel_dir / "kernels" / f"{n}.bin") for n in names]
       mesh = jax.sharding.get_mesh()
       mesh = None if mesh is None or mesh.empty else mesh
