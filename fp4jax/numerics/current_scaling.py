@@ -74,7 +74,12 @@ def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne"
 
 def other_view(q: QTensor) -> QTensor:
   """A 2-D FP8 QTensor read along its other axis: the values transposed, the same factor. Bit for bit what
-  quantizing the tensor along the other axis gives (module docstring), without a second pass over it."""
+  quantizing the tensor along the other axis gives (module docstring), without a second pass over it.
+
+  The values are transposed as their uint8 bits: XLA's constant folding (JAX 0.11.2) transposed a float8 array
+  folded across two nested jits wrongly, so the fp8 route's gradients came out wrong under jit wherever x, w
+  or dY was a constant of the program (a closed-over batch); tests/test_fp8_route.py has the case."""
   if q.scales is not None or len(q.shape) != 2:
     raise ValueError(f"other_view needs a 2-D per-tensor-scaled (FP8) QTensor: {q.fmt=}, {q.shape=}")
-  return dataclasses.replace(q, codes=q.codes.T, axis=1 - q.axis)
+  bits = jax.lax.bitcast_convert_type(q.codes, jnp.uint8).T
+  return dataclasses.replace(q, codes=jax.lax.bitcast_convert_type(bits, q.codes.dtype), axis=1 - q.axis)
