@@ -282,14 +282,15 @@ def cuda_plugin_installed() -> bool:
     return False
 
 
-def _deviceless_h200() -> jax.sharding.Mesh:
-  """A 1-device ("data", "fsdp") mesh of an H200 that XLA:GPU compiles for without one (`--h200 --xla`)."""
+def _deviceless_h200(devices: int = 1) -> jax.sharding.Mesh:
+  """A ("data", "fsdp") mesh of `devices` H200s (all along "data") that XLA:GPU compiles for without one
+  (`--h200 --xla`; the tests compile multi-GPU programs on it)."""
   if not cuda_plugin_installed():
     raise UserError('bench compile: --xla compiles with XLA:GPU and needs JAX\'s CUDA plugin (pip install '
                     '"jax[cuda13]==0.11.2"; no GPU needed)')
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  topology = topologies.get_topology_desc(platform="cuda", target_config=_H200_TARGET, topology="1x1x1")
-  return topologies.make_mesh(topology, (1, 1), ("data", "fsdp"))
+  topology = topologies.get_topology_desc(platform="cuda", target_config=_H200_TARGET, topology=f"1x1x{devices}")
+  return topologies.make_mesh(topology, (devices, 1), ("data", "fsdp"))
 
 
 def _on(mesh: jax.sharding.Mesh, tree):

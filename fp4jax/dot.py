@@ -232,22 +232,28 @@ def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tup
 
 
 def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl: Impl,
-             form: str = "codes") -> Operand:
+             form: str = "codes", tokens: bool = False) -> Operand:
   """One GEMM operand from a 2-D array `v`, reduced along `axis`, K-major (`axis` last): quantized per `spec`
-  with its role's `keys` (`route.role_keys`) in `form` (`_form`), or `v` itself for a high-precision spec."""
+  with its role's `keys` (`route.role_keys`) in `form` (`_form`), or `v` itself for a high-precision spec.
+  tokens: v's rows are tokens (X, dY), split over `impl.token_axes`."""
   if not spec.quantized:
     return jnp.moveaxis(v, axis, -1)
-  return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer, form=form)
+  return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer, form=form,
+                                       rows_over=impl.token_axes if tokens else ())
 
 
 def _prepare_views(v: jax.Array, row: OperandSpec, col: OperandSpec, keys: tuple[OperandKeys, OperandKeys],
-                   impl: Impl, forms: tuple[str, str] = ("codes", "codes")) -> tuple[Operand, Operand]:
+                   impl: Impl, forms: tuple[str, str] = ("codes", "codes"),
+                   tokens: bool = False) -> tuple[Operand, Operand]:
   """The two operands read from one 2-D array: `v` along axis 1 (`row`, K-major [R, C]) and along axis 0
   (`col`, K-major [C, R]), e.g. X for fprop and wgrad, dY for dgrad and wgrad, W for dgrad and fprop: from one
-  pass over `v` where a kernel covers both recipes (each with its own rounding and key), in `forms`."""
+  pass over `v` where a kernel covers both recipes (each with its own rounding and key), in `forms`; `tokens`
+  as for `_prepare`."""
   if not (row.quantized and col.quantized):
-    return _prepare(v, row, 1, keys[0], impl, forms[0]), _prepare(v, col, 0, keys[1], impl, forms[1])
-  return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer, forms=forms)
+    return (_prepare(v, row, 1, keys[0], impl, forms[0], tokens),
+            _prepare(v, col, 0, keys[1], impl, forms[1], tokens))
+  return quantize_api.quantize_views(v, row, col, *keys, implementation=impl.quantizer, forms=forms,
+                                     rows_over=impl.token_axes if tokens else ())
 
 
 def _form(a: OperandSpec, b: OperandSpec, impl: Impl) -> str:
@@ -308,7 +314,7 @@ def _forward(plan: _Plan, x, w, key):
   r = plan.route
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w"))
   form = _form(r.fprop_x, r.fprop_w, plan.impl)
-  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form)  # [M, K]
+  xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form, tokens=True)  # [M, K]
   wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, form)  # K-major [N, K]
   return _gemm(xa, wb, plan.out_dtype, plan.impl)
 
@@ -319,13 +325,13 @@ def _forward_saving(plan: _Plan, x, w, key):
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
   form = _form(r.fprop_x, r.fprop_w, plan.impl)  # the fprop views are read at once; the backward's are kept
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
-    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form)  # [M, K]
+    xa = _prepare(x, r.fprop_x, 1, keys["fprop_x"], plan.impl, form, tokens=True)  # [M, K]
     wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl, form)  # K-major [N, K]
-    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl)  # K-major [K, M]
+    x_wgrad = _prepare(dequantize(xa), r.wgrad_x, 0, keys["wgrad_x"], plan.impl, tokens=True)  # K-major [K, M]
     w_dgrad = _prepare(dequantize(wb), r.dgrad_w, 1, keys["dgrad_w"], plan.impl)  # K-major [K, N]
   else:
     xa, x_wgrad = _prepare_views(x, r.fprop_x, r.wgrad_x, (keys["fprop_x"], keys["wgrad_x"]), plan.impl,
-                                 (form, "codes"))
+                                 (form, "codes"), tokens=True)
     if _reuses_fprop_w(r):  # one set of codes serves both GEMMs, kept for dgrad
       wb = _prepare(w, r.fprop_w, 0, keys["fprop_w"], plan.impl)
       w_dgrad = other_orientation(wb)
@@ -343,7 +349,7 @@ def _backward(plan: _Plan, res, g):
   keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
   forms = (_form(r.dgrad_dy, r.dgrad_w, plan.impl), _form(r.wgrad_x, r.wgrad_dy, plan.impl))
   dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]), plan.impl,
-                              forms)  # [M, N], [N, M]: both read at once
+                              forms, tokens=True)  # [M, N], [N, M]: both read at once
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
   return dx, dw, None

@@ -1,14 +1,18 @@
-"""How fp4_dot runs, as one frozen value: which quantizer implementation and which GEMM backend.
+"""How fp4_dot runs, as one frozen value: which quantizer implementation, which GEMM backend, and over which
+mesh axes the tokens are split.
 
 `Impl` changes where and how fast the numbers are computed, never the numbers: every quantizer
 implementation gives the reference's bits, every GEMM backend the emulated product (up to the order of
-float32 sums). It is hashable and static, like a route: fp4_dot carries it in its plan across jit and
-custom_vjp, FP4Linear and Llama hold it, and the training config sets it (`kernels:`).
+float32 sums), and a device quantizing only its own tokens the bits of the whole batch. It is hashable and
+static, like a route: fp4_dot carries it in its plan across jit and custom_vjp, FP4Linear and Llama hold it,
+and the training config sets it (`kernels:`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from fp4jax.numerics.spec import check_choice
 from fp4jax.ops import gemm
@@ -26,20 +30,33 @@ class Impl:
       reference quantizes it (`ops.quantize.api`).
     gemm: "auto" (the fastest backend the device generation and the operands allow), "emulated"
       (dequantize and dot, anywhere), "fp8" (Hopper FP8 tensor cores) or "native" (Blackwell block-scaled).
+    token_axes: the mesh axes (of the mesh in context, `jax.set_mesh`) over which the tokens (x's and dY's
+      rows) are split, so that each device quantizes only its own with the fused kernels
+      (`ops.quantize.pallas.rows`: MXFP4 recipes; others are gathered whole, as XLA partitions a kernel it
+      cannot see into); "auto": every axis of that mesh, as a data-parallel or FSDP batch is split (the
+      training loop's ("data", "fsdp")); () splits none.
   """
 
   quantizer: str = "auto"
   gemm: str = "auto"
+  token_axes: str | tuple[str, ...] = "auto"
 
   def __post_init__(self):
     check_choice("quantizer implementation", self.quantizer, quantize_api.CHOICES)
     gemm.registry.check_choice(self.gemm)
+    axes = self.token_axes
+    if axes != "auto" and not (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)):
+      raise ValueError(f"Impl's token_axes takes 'auto' or a tuple of mesh-axis names, got {axes!r}")
 
   def resolved(self) -> Impl:
-    """This choice with "auto" quantizing resolved for the current default backend (at trace time); a
-    "pallas" choice where the default backend is not a GPU fails here, naming the alternatives."""
+    """This choice with "auto" quantizing resolved for the current default backend and "auto" token axes for
+    the mesh in context (at trace time); a "pallas" choice where the default backend is not a GPU fails here,
+    naming the alternatives."""
     quantizer = quantize_api.resolve(self.quantizer)
     if quantizer == "pallas" and quantize_api.resolve("auto") != "pallas":
       raise ValueError("Impl(quantizer='pallas') compiles the Pallas kernels for a GPU, but JAX's default "
                        "backend is not one: use 'auto', 'xla' or 'interpret'")
-    return dataclasses.replace(self, quantizer=quantizer)
+    axes = self.token_axes
+    if axes == "auto":
+      axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    return dataclasses.replace(self, quantizer=quantizer, token_axes=axes)

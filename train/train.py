@@ -251,17 +251,19 @@ class CompiledOnFirstCall:
   """`jitted(*args, *bound)`, compiled on the first call by `fp4jax.compiling.compile_program` (the Pallas kernels
   alone and in parallel first, on `threads`, kept in `directory`; threads=0 compiles as jax.jit does), then
   run as that compiled program. Later calls must pass arguments of the first call's shapes and shardings, as a
-  training loop does."""
+  training loop does. It is traced under `mesh` (`jax.set_mesh`), so that fp4_dot's quantizers run on each
+  device's own tokens (`fp4jax.Impl.token_axes`)."""
 
-  def __init__(self, jitted, *bound, threads: int | None, directory):
-    self.jitted, self.bound, self.threads, self.directory = jitted, bound, threads, directory
+  def __init__(self, jitted, *bound, threads: int | None, directory, mesh: Mesh):
+    self.jitted, self.bound, self.threads, self.directory, self.mesh = jitted, bound, threads, directory, mesh
     self.compiled = self.report = None
 
   def __call__(self, *args):
     if self.compiled is None:
       from fp4jax import compiling
-      self.compiled, self.report = compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
-                                                             directory=self.directory)
+      with jax.set_mesh(self.mesh):
+        self.compiled, self.report = compiling.compile_program(self.jitted, *args, *self.bound,
+                                                               threads=self.threads, directory=self.directory)
     return self.compiled(*args, *self.bound)
 
 
@@ -313,8 +315,8 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   threads = None if cfg.run.kernels_first else 0
   kernels = platform.kernel_cache_dir(platform.cache_dir(cfg.run.compile_cache))
   # (state, batch, step) and (state, batch)
-  train_step = CompiledOnFirstCall(keyed_train_step, base_key, threads=threads, directory=kernels)
-  eval_step = CompiledOnFirstCall(keyed_eval_step, eval_key, threads=threads, directory=kernels)
+  train_step = CompiledOnFirstCall(keyed_train_step, base_key, threads=threads, directory=kernels, mesh=mesh)
+  eval_step = CompiledOnFirstCall(keyed_eval_step, eval_key, threads=threads, directory=kernels, mesh=mesh)
 
   @jax.jit
   def all_finite(state):

@@ -378,6 +378,36 @@ def test_sharded_step_matches_single_device():
     assert np.abs(got - want).max() <= 3 * 2 * 1e-3, name
 
 
+_SHARDED_FP4 = _SHARDED.split("out = {}")[0] + """
+from fp4jax.ops.quantize.pallas import rows
+split = []  # launches run on each device's rows, counted while the steps trace
+on_row_shards = rows.on_row_shards
+rows.on_row_shards = lambda *a, **k: split.append(1) or on_row_shards(*a, **k)
+batches = [np.random.default_rng(i).integers(0, 257, (8, 33)).astype(np.int32) for i in range(2)]
+settings = dict(route="mxfp4", model={"dtype": "bfloat16"}, kernels={"quantizer": "interpret"})
+out = {}
+for name, shape, devs in [("single", (1, 1), jax.devices()[:1]), ("data2_fsdp4", (2, 4), None)]:
+  split.clear()
+  out[name] = {"losses": tiny_steps(batches, train.make_mesh(shape, devs), 1, "auto", **settings)["losses"],
+               "split": len(split)}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_sharded_fp4_step_quantizes_each_devices_tokens():
+  """An mxfp4 step with the Pallas kernels (interpret mode) on a 2 x 4 mesh: its first loss is the one-device
+  loss up to the order of the batch mean (each device quantizes its own tokens with the whole batch's bits,
+  `fp4jax.Impl.token_axes`); the second follows a gradient summed across devices in another order."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_FP4], capture_output=True, text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout)
+  assert out["single"]["split"] == 0 and out["data2_fsdp4"]["split"] > 0, out
+  np.testing.assert_allclose(out["data2_fsdp4"]["losses"][0], out["single"]["losses"][0], rtol=2e-6)
+  np.testing.assert_allclose(out["data2_fsdp4"]["losses"][1], out["single"]["losses"][1], rtol=1e-2)
+
+
 def test_lr_schedules():
   o = config.OptimConfig(lr=1.0, warmup=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
   wsd = train.lr_schedule(o, 100)

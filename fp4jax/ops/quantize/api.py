@@ -14,6 +14,11 @@ column view), come from one pass where a dual-view kernel covers both recipes (t
 quantization, its transpose the other view); otherwise each view goes through `quantize_operand` on its own.
 The Pallas kernels cover the FP4 formats only: FP8 operands always take the XLA link of the chain.
 
+Rows over a mesh (`rows_over`: mesh axes, for an x whose rows are tokens split over them): the kernels run on
+each device's own rows where the recipe allows (`pallas.rows`), with the whole array's bits; XLA's SPMD
+partitioner would otherwise gather x whole onto every device for them. The XLA link needs nothing: the
+partitioner splits the reference's own operations.
+
 Forms: a view comes as a QTensor (packed codes, "codes") or as `ScaledValues` ("values": the bf16 values a GEMM
 on bf16 tensor cores reads, what `ops.gemm.operand_form` asks for on Hopper's NVFP4 pairs). The NVFP4
 dual-view kernel writes values itself (`pallas.nvfp4`); wherever an implementation returns codes for a view
@@ -40,17 +45,19 @@ from fp4jax.platform import compiles_for_gpu
 class Implementation:
   """views(x, row, col, row_keys, col_keys, forms) -> (row view, column view), or None where it has no
   two-view pass; operand(x, spec, axis, keys) -> QTensor. Either raises NotImplementedError for an uncovered
-  case. `forms` is a request a kernel may meet (module docstring)."""
+  case. `forms` is a request a kernel may meet (module docstring); `rows_over` is passed to both where
+  `splits_rows` (module docstring)."""
 
   views: Callable[..., tuple[QTensor, QTensor]] | None
   operand: Callable[..., QTensor]
+  splits_rows: bool = False
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "pallas": Implementation(functools.partial(pallas.views, interpret=False),
-                             functools.partial(pallas.operand, interpret=False)),
+                             functools.partial(pallas.operand, interpret=False), splits_rows=True),
     "interpret": Implementation(functools.partial(pallas.views, interpret=True),
-                                functools.partial(pallas.operand, interpret=True)),
+                                functools.partial(pallas.operand, interpret=True), splits_rows=True),
     "xla": Implementation(xla.views, xla.operand),
 }
 CHOICES = ("auto", *IMPLEMENTATIONS)
@@ -80,19 +87,25 @@ def _as_form(q: Quantized, form: str) -> Quantized:
   return scaled_values(q) if form == "values" and isinstance(q, QTensor) else q
 
 
+def _rows(impl: Implementation, rows_over: tuple[str, ...]) -> dict:
+  return {"rows_over": tuple(rows_over)} if impl.splits_rows and rows_over else {}
+
+
 def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys = OperandKeys(), *,
-                     implementation: str = "auto", form: str = "codes") -> Quantized:
+                     implementation: str = "auto", form: str = "codes",
+                     rows_over: tuple[str, ...] = ()) -> Quantized:
   """`x` quantized along `axis` per `spec` (after its transform), K-major (`axis` moved last).
 
   keys: the rounding key (SR, MS-EDEN) and the random-Hadamard key, where the spec draws random bits.
   form: "codes" (a QTensor) or "values" (`ScaledValues` of a 2-D x; module docstring).
+  rows_over: mesh axes over which x's rows are split (module docstring); the numbers do not depend on it.
   The kernels cover 2-D inputs; other ranks go to "xla".
   """
   _check(spec)
   check_choice("operand form", form, FORMS)
   for impl in _chain(implementation):
     try:
-      return _as_form(impl.operand(x, spec, axis, keys), form)
+      return _as_form(impl.operand(x, spec, axis, keys, **_rows(impl, rows_over)), form)
     except NotImplementedError:
       continue
   raise AssertionError("the chain ends in 'xla', which covers every spec")
@@ -100,12 +113,12 @@ def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKe
 
 def quantize_views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
                    col_keys: OperandKeys = OperandKeys(), *,
-                   implementation: str = "auto",
-                   forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized, Quantized]:
+                   implementation: str = "auto", forms: tuple[str, str] = ("codes", "codes"),
+                   rows_over: tuple[str, ...] = ()) -> tuple[Quantized, Quantized]:
   """(x [R, C] along axis 1 per `row`: K-major [R, C]; along axis 0 per `col`: K-major [C, R]), from one pass
   over x where a kernel covers both recipes, else one `quantize_operand` each. Passing one key object as both
   views' rounding key draws each element's random bits once (same recipe, same numbers). forms: each view's
-  form, "codes" or "values" (module docstring)."""
+  form, "codes" or "values"; rows_over: as for `quantize_operand` (module docstring)."""
   _check(row)
   _check(col)
   for form in forms:
@@ -114,9 +127,9 @@ def quantize_views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: O
     if impl.views is None:
       continue
     try:
-      views = impl.views(x, row, col, row_keys, col_keys, forms=tuple(forms))
+      views = impl.views(x, row, col, row_keys, col_keys, forms=tuple(forms), **_rows(impl, rows_over))
     except NotImplementedError:
       continue
     return tuple(_as_form(v, form) for v, form in zip(views, forms))
-  return (quantize_operand(x, row, 1, row_keys, implementation=implementation, form=forms[0]),
-          quantize_operand(x, col, 0, col_keys, implementation=implementation, form=forms[1]))
+  return tuple(quantize_operand(x, spec, axis, keys, implementation=implementation, form=form, rows_over=rows_over)
+               for spec, axis, keys, form in ((row, 1, row_keys, forms[0]), (col, 0, col_keys, forms[1])))

@@ -39,7 +39,7 @@ import jax
 from fp4jax import platform
 from fp4jax.numerics.qtensor import QTensor, Quantized
 from fp4jax.numerics.spec import ROUNDINGS, OperandKeys, OperandSpec
-from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4
+from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4, rows
 
 platform.alias_triton_dialect_module()  # a third of a step's Pallas lowering time otherwise (its docstring)
 
@@ -61,23 +61,32 @@ WRITES_VALUES = (nvfp4.views,)
 
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys, col_keys: OperandKeys, *,
-          interpret: bool, forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized, Quantized]:
+          interpret: bool, forms: tuple[str, str] = ("codes", "codes"),
+          rows_over: tuple[str, ...] = ()) -> tuple[Quantized, Quantized]:
   """(row view along axis 1, column view along axis 0) of a 2-D x from one dual-view kernel; `forms` is
-  handed to a kernel of `WRITES_VALUES`."""
+  handed to a kernel of `WRITES_VALUES`. rows_over: mesh axes whose devices each quantize their own block of
+  x's rows, with the whole array's bits (`rows`; where the recipe allows)."""
   kernel = VIEW_KERNELS.get(row.fmt)
   if kernel is None:
     raise NotImplementedError(f"no dual-view kernel for fmt={row.fmt!r}")
   extra = {"forms": forms} if kernel in WRITES_VALUES else {}
+  if x.ndim == 2 and (axes := rows.split(x.shape[0], (row, col), rows_over)):
+    return rows.on_row_shards(lambda v, offset: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
+                                                       counter_offset=offset), x, axes, (1, 0))
   return kernel(x, row, col, row_keys, col_keys, interpret=interpret, **extra)
 
 
-def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool) -> QTensor:
+def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool,
+            rows_over: tuple[str, ...] = ()) -> QTensor:
   """One view of a 2-D x along `axis` (0 or 1): a dual-view kernel launched for that view alone (it neither
   computes nor stores the other; along K on the canonical layout, along M as x^T along K where the bits allow:
-  module docstring), else a single-view kernel's."""
+  module docstring), else a single-view kernel's. rows_over: as for `views`."""
   kernel = VIEW_KERNELS.get(spec.fmt)
   if kernel is not None and x.ndim == 2:
     try:
+      if axes := rows.split(x.shape[0], (spec,), rows_over):
+        launch = lambda v, offset: (_one_view(kernel, v, spec, axis % 2, keys, interpret, offset),)
+        return rows.on_row_shards(launch, x, axes, (axis % 2,))[0]
       return _one_view(kernel, x, spec, axis % 2, keys, interpret)
     except NotImplementedError:
       pass
@@ -99,12 +108,13 @@ _ROWS_PER_TILE = 64  # the tallest tile of `tiling`: the canonical row count mus
 
 
 def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys,
-              interpret: bool) -> QTensor:
+              interpret: bool, counter_offset: jax.Array | None = None) -> QTensor:
   """One view from a dual-view kernel (the unwritten view takes the recipe without its transform: the kernels
-  rotate column views only)."""
+  rotate column views only); `counter_offset` as the kernel's, given only where x is a block of rows."""
   plain = dataclasses.replace(spec, transform=None)
-  return _view(lambda v: kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW)[0],
-               lambda v: kernel(v, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN)[1],
+  extra = {} if counter_offset is None else {"counter_offset": counter_offset}
+  return _view(lambda v: kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW, **extra)[0],
+               lambda v: kernel(v, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN, **extra)[1],
                x, spec, axis)
 
 

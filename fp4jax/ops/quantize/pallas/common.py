@@ -147,16 +147,19 @@ class PairIndex:
     return rows, cols
 
 
-def random_bits(seed_ref, which: int, index, rounding: str = "sr") -> dict:
+def random_bits(seed_ref, which: int, index, rounding: str = "sr", offset=None) -> dict:
   """int32 top 24 hash bits (`prng.hash_bits(...) >> 8`) of each element set of `index` (its position in x),
   with seed pair `which` (0: row view, 1: column view); None per set for a view rounding other than "sr"
-  (nothing drawn)."""
+  (nothing drawn). `offset`: a uint32 added to every counter, where x is a block of rows of a larger array
+  (`ops.quantize.pallas.rows`): its first element's flat index there, so the draws are the larger array's."""
   if rounding != "sr":
     return dict.fromkeys(index.keys)
   out = {}
   for key_ in index.keys:
     rows, cols = index(key_)
-    r = prng.hash_bits(seed_ref[2 * which], seed_ref[2 * which + 1], rows * jnp.uint32(index.k) + cols) >> 8
+    counter = rows * jnp.uint32(index.k) + cols
+    r = prng.hash_bits(seed_ref[2 * which], seed_ref[2 * which + 1],
+                       counter if offset is None else counter + offset) >> 8
     out[key_] = jax.lax.bitcast_convert_type(r, jnp.int32)
   return out
 

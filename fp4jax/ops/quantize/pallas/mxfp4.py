@@ -60,7 +60,8 @@ _E_MIN, _E_MAX = -127, MX_E_MAX
 class DualConfig:
   """Static options of one launch (hashable: crosses jit as one object). row / col: the views' specs with
   their scale rule filled in; shared_bits: both views use SR with the same key, so each element's random bits
-  are drawn once; write: which views (row, column) the launch computes and stores (`common.dual_view_call`)."""
+  are drawn once; write: which views (row, column) the launch computes and stores (`common.dual_view_call`);
+  offset: the SR counters start at a traced offset, a parameter word (`views`' counter_offset)."""
 
   row: OperandSpec
   col: OperandSpec
@@ -69,11 +70,12 @@ class DualConfig:
   tile: QuantTile = QuantTile()
   interpret: bool = False
   write: tuple[bool, bool] = common.BOTH
+  offset: bool = False
 
   @property
   def needs_params(self) -> bool:
-    """Whether the kernel reads the uint32 parameter words (SR seeds, Hadamard sign mask)."""
-    return "sr" in (self.row.rounding, self.col.rounding) or self.col.transform is not None
+    """Whether the kernel reads the uint32 parameter words (SR seeds, Hadamard sign mask, counter offset)."""
+    return "sr" in (self.row.rounding, self.col.rounding) or self.col.transform is not None or self.offset
 
 
 def _resolved(spec: OperandSpec) -> OperandSpec:
@@ -187,9 +189,10 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
   index = common.PairIndex(tuple(bits), h, w, k)
   write_row, write_col = cfg.write
   shared = cfg.shared_bits
+  offset = seed_ref[5] if cfg.offset else None
   # The row seed's bits: the row view's, and the column view's too when shared (or for 2-D tiles).
   row_r24 = common.random_bits(seed_ref, 0, index, cfg.row.rounding if write_row or shared or cfg.tile_2d
-                               else "rne")
+                               else "rne", offset)
   if cfg.tile_2d:
     row_codes, row_scales, col_codes, col_scales = _tiles_2d(mag, sign, row_r24, h, w, cfg.row)
     for p in range(2):
@@ -208,7 +211,7 @@ def _dual_kernel(*refs, cfg: DualConfig, k: int):
     rs_ref[:, p, :] = scales  # [h, w/16]
   if not write_col:
     return
-  col_r24 = row_r24 if shared else common.random_bits(seed_ref, 1, index, cfg.col.rounding)
+  col_r24 = row_r24 if shared else common.random_bits(seed_ref, 1, index, cfg.col.rounding, offset)
   if cfg.col.transform:
     negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)  # the Hadamard's sign word
     for q in range(2):
@@ -236,7 +239,7 @@ def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: OperandSpec):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
-  extra = [(params, pl.BlockSpec((5,), lambda i, j: (0,)))] if cfg.needs_params else []
+  extra = [(params, pl.BlockSpec(params.shape, lambda i, j: (0,)))] if cfg.needs_params else []
   return common.dual_view_call(functools.partial(_dual_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
                                extra, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write)
 
@@ -249,7 +252,8 @@ def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
           col_keys: OperandKeys = OperandKeys(), *, tile: QuantTile | None = None, interpret: bool = False,
-          write: tuple[bool, bool] = common.BOTH) -> tuple[QTensor | None, QTensor | None]:
+          write: tuple[bool, bool] = common.BOTH,
+          counter_offset: jax.Array | None = None) -> tuple[QTensor | None, QTensor | None]:
   """Both MXFP4 views of a bf16 x[M, K] from one fused pass, each with its own recipe.
 
   Equal bit for bit to `(reference.quantize(x, "mxfp4", axis=-1, ...row's options, key=row_keys.rounding),
@@ -258,6 +262,8 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   rounding key draws each element's random bits once for both. `write` (row, column): the views to compute,
   None in place of the other (`common.ROW`, `common.COLUMN`: one operand, half the kernel's work). Raises
   NotImplementedError where `check` does; `interpret=True` runs the kernel in Pallas interpret mode (CPU).
+  counter_offset: a uint32 scalar added to every SR counter, where x is a block of rows of a larger array
+  (`ops.quantize.pallas.rows`), so that the draws are the larger array's; None draws as x's own (offset 0).
   """
   check(x, row, col, row_keys, col_keys)
   m, k = x.shape
@@ -266,15 +272,16 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   tile.check(m, k, BLOCK)
   row_key, col_key = row_keys.rounding, col_keys.rounding
   shared = row_key is not None and row_key is col_key and row.rounding == col.rounding == "sr"
+  offset = counter_offset is not None and "sr" in (row.rounding, col.rounding)  # only SR draws read it
   cfg = DualConfig(row, col, tile_2d=row.tile_2d, shared_bits=shared,
-                   tile=tile, interpret=interpret, write=tuple(write))
-  params = None  # [row seed words, column seed words, Hadamard sign mask]
+                   tile=tile, interpret=interpret, write=tuple(write), offset=offset)
+  params = None  # [row seed words, column seed words, Hadamard sign mask, counter offset if any]
   if cfg.needs_params:
     zero = (jnp.uint32(0), jnp.uint32(0))
     words = [_seed_words(kk, view) if v.rounding == "sr" else zero
              for kk, v, view in ((row_key, row, "row"), (col_key, col, "column"))]
     mask = common.sign_words(col.transform, col_keys.transform, 1)[0]
-    params = jnp.stack([*words[0], *words[1], mask])
+    params = jnp.stack([*words[0], *words[1], mask, *([jnp.asarray(counter_offset, jnp.uint32)] if offset else [])])
   rc, rs, cc, cs = _dual_call(x, params, cfg)
   return (QTensor(rc, rs, None, fmt="mxfp4", axis=1, shape=(m, k)) if cfg.write[0] else None,
           QTensor(cc, cs, None, fmt="mxfp4", axis=0, shape=(m, k)) if cfg.write[1] else None)
