@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
-from fp4jax.dot import check_out_dtype, fp4_dot
+from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
 from fp4jax.route import Route
@@ -111,13 +111,16 @@ class FP4Linear(nnx.Module):
 
 def fusable(linears: Sequence[FP4Linear]) -> bool:
   """True if `fused_call` can run these layers as one product: same input size, route, implementation and
-  dtypes, no bias."""
+  dtypes, no bias, and each output size a multiple of what the route quantizes together along the output axis
+  (`padding_multiples`' N: dgrad's W blocks, 2-D tiles, MS-EDEN groups), so that no block or tile straddles
+  two layers: a 32x32 MXFP4 tile over a 40- and a 24-wide layer gave the smaller one the larger one's scale."""
   if not linears:
     raise ValueError("fused_call needs at least one FP4Linear")
   first = linears[0]
+  n_multiple = padding_multiples(first.route)[2]
   return all((m.in_features, m.route, m.impl, m.dtype, m.out_dtype) ==
              (first.in_features, first.route, first.impl, first.dtype, first.out_dtype) and m.bias is None
-             for m in linears)
+             and m.out_features % n_multiple == 0 for m in linears)
 
 
 def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | None = None) -> list[jax.Array]:
@@ -135,8 +138,9 @@ def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | N
   INPUT on x, KERNEL on the concatenated kernel, OUTPUT on the product before the split.
   """
   if not fusable(linears):
-    raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes and no bias: "
-                     f"{[(m.in_features, m.route.name, m.bias is not None) for m in linears]}")
+    raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes, no bias and output "
+                     f"sizes that are multiples of {padding_multiples(linears[0].route)[2]}: "
+                     f"{[(m.in_features, m.out_features, m.route.name, m.bias is not None) for m in linears]}")
   if x.shape[-1] != linears[0].in_features:
     raise ValueError(f"input feature size {x.shape[-1]} != {linears[0].in_features=}")
   y = checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]

@@ -156,3 +156,21 @@ def test_hook_rejects_other_contractions():
   with pytest.raises(NotImplementedError, match="2-D rhs \\[K, N\\], got rhs.shape=\\(2, 8, 16\\)"):
     dot_general(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 16)), (((2,), (1,)), ((0,), (0,))))
   np.testing.assert_array_equal(dot_general(x, w, (((1,), (0,)), ((), ()))), x @ w)
+
+
+def test_layers_whose_blocks_would_straddle_are_not_fused():
+  """A 32x32 MXFP4 weight tile over a 40- and a 24-wide layer would give the smaller one the larger one's
+  scale: such layers are not fusable, fused_call refuses them, and sizes in whole blocks fuse to the numbers
+  of separate calls (mxfp4_rtn: RNE, no keys)."""
+  from fp4jax.nn import linear
+  x = jax.random.normal(jax.random.key(0), (64, 64), jnp.bfloat16)
+  a, b = (FP4Linear(64, n, route="mxfp4_rtn", rngs=nnx.Rngs(i)) for i, n in enumerate((40, 24)))
+  b.kernel[...] = b.kernel[...] * 10
+  assert not linear.fusable([a, b])
+  with pytest.raises(ValueError, match="multiples of 32"):
+    linear.fused_call([a, b], x)
+  a, b = (FP4Linear(64, n, route="mxfp4_rtn", rngs=nnx.Rngs(i)) for i, n in enumerate((64, 32)))
+  b.kernel[...] = b.kernel[...] * 10
+  assert linear.fusable([a, b])
+  for fused, alone in zip(linear.fused_call([a, b], x), (a(x), b(x))):
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(alone, np.float32), rtol=1e-2, atol=1e-2)
