@@ -9,6 +9,7 @@ from bench import args as args_lib
 from bench import compile as compile_bench
 from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
+from train.errors import check_writable_dir
 from train.main import guarded
 
 # name -> (module with add_args(parser) and run(args), help)
@@ -38,9 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     module.add_args(sub.add_parser(name, help=help_, description=summary))
   args = parser.parse_args(argv)
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
-  platform.enable_compilation_cache(platform.cache_dir(args.compile_cache))
+
+  def run():
+    cache = platform.cache_dir(args.compile_cache)
+    if cache is not None:
+      check_writable_dir(cache, "--compile-cache")
+    platform.enable_compilation_cache(cache)
+    return SUBCOMMANDS[args.command][0].run(args) or 0
   # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.
-  return guarded(f"python -m bench {args.command}", False, lambda: SUBCOMMANDS[args.command][0].run(args) or 0)
+  return guarded(f"python -m bench {args.command}", False, run)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from typing import Any
@@ -24,6 +25,8 @@ class ConfigError(UserError, ValueError):
 
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+# Documented string values that YAML 1.1 reads as booleans unquoted (`--set run.compile_cache=off`).
+_WORDS_READ_AS_BOOL = {("run.compile_cache", False): "off"}
 _POSITIVE = (lambda v: 0 < v < math.inf, "a finite number > 0")
 _NON_NEGATIVE = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
 _FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -43,6 +46,14 @@ _ROPE_SCALING_RULES = {**dict.fromkeys(("factor", "low_freq_factor", "high_freq_
 
 def _one_of(choices: typing.Sequence[str]) -> tuple[Any, str]:
   return (lambda v: v in choices, f"one of {list(choices)}")
+
+
+def expand_home(cfg: Any, field: str) -> None:
+  """A leading ~ of a path field of a frozen config expanded, as a shell would: `--set run.out_dir=~/runs`
+  reaches us unexpanded (no shell expands ~ after =), and would make a directory named "~"."""
+  value = getattr(cfg, field)
+  if isinstance(value, str) and value.startswith("~"):
+    object.__setattr__(cfg, field, os.path.expanduser(value))
 
 
 def _check_counts(section: str, cfg: Any, rules: dict[str, tuple[Any, str]]) -> None:
@@ -137,6 +148,7 @@ class DataConfig:
   workers: int = 0  # tokenizer processes; 0 = os.cpu_count()
 
   def __post_init__(self):
+    expand_home(self, "cache_dir")
     _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0,
                                  "microbatches": _AT_LEAST_1, "eval_fraction": _OPEN_FRACTION,
                                  "tokenizer": _one_of(TOKENIZERS)})
@@ -186,6 +198,7 @@ class RunConfig:
   kernels_first: bool = True  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling)
 
   def __post_init__(self):
+    expand_home(self, "out_dir")
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
                                 "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _AT_LEAST_0,
                                 "out_dir": (bool, "a directory path, not empty"),
@@ -284,8 +297,10 @@ def convert(value: Any, tp: Any, where: str) -> Any:
       raise ConfigError(f"{where}: expected an int, got {value!r}")
     try:
       out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "1e400", "inf"
       raise ConfigError(f"{where}: expected an int, got {value!r}") from None
+    if abs(out) >= 2**63:  # past what JAX's integers (and float's comparison below) hold
+      raise ConfigError(f"{where}: {value!r} is too large (|value| < 2**63)")
     if out != float(value):
       raise ConfigError(f"{where}: expected an int, got {value!r}")
     return out
@@ -297,6 +312,8 @@ def convert(value: Any, tp: Any, where: str) -> Any:
     except (TypeError, ValueError):
       raise ConfigError(f"{where}: expected a number, got {value!r}") from None
   if tp is str:
+    if isinstance(value, bool) and (where, value) in _WORDS_READ_AS_BOOL:
+      return _WORDS_READ_AS_BOOL[where, value]
     if isinstance(value, bool):
       raise ConfigError(f"{where}: expected a string, got {value!r} (YAML reads yes/no/on/off unquoted as "
                         f"true/false: quote the value)")
@@ -346,7 +363,11 @@ def with_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) ->
 
 
 def from_dict(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> Config:
-  return build(Config, with_overrides(raw, overrides))
+  cfg = build(Config, with_overrides(raw, overrides))
+  if cfg.run.routes and any(o.split("=", 1)[0].strip() == "route" for o in overrides):
+    raise ConfigError(f"--set route=... is not read in compare mode: the config runs run.routes="
+                      f"{list(cfg.run.routes)}; set those instead, e.g. --set 'run.routes=[{cfg.route}]'")
+  return cfg
 
 
 def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -362,6 +383,8 @@ def read_yaml(path: str | None) -> dict[str, Any]:
         raw = yaml.safe_load(f) or {}
     except OSError as e:
       raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; see configs/ for examples") from e
+    except UnicodeDecodeError as e:
+      raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); is it a config file?") from e
     except yaml.YAMLError as e:
       mark = getattr(e, "problem_mark", None)
       where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path

@@ -17,7 +17,7 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from train.errors import UserError
+from train.errors import UserError, check_writable_dir
 from train.interrupt import Interrupted
 
 if TYPE_CHECKING:
@@ -66,7 +66,10 @@ def start_jax(cfg: Config) -> types.ModuleType:
   import jax
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
-  platform.enable_compilation_cache(platform.cache_dir(cfg.run.compile_cache))
+  cache = platform.cache_dir(cfg.run.compile_cache)
+  if cache is not None:
+    check_writable_dir(cache, "run.compile_cache")
+  platform.enable_compilation_cache(cache)
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
   return jax

@@ -75,6 +75,7 @@ class Settings:
   curve_points: int = 200
 
   def __post_init__(self):
+    config_lib.expand_home(self, "results")
     for name, ok, need in (("tokens", 0 < self.tokens < math.inf, "a finite number > 0"),
                            ("results", bool(self.results), "a directory path, not empty"),
                            ("final_logged", self.final_logged >= 1, ">= 1"),

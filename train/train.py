@@ -48,7 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from train import checkpoint, config as config_lib, data, interrupt, lock, metrics, tokenizers
-from train.errors import UserError
+from train.errors import UserError, check_writable_dir
 
 MESH_AXES = ("data", "fsdp")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -154,7 +154,10 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   data.resolve_sources(cfg.data.sources, "data.sources")
   if cfg.data.eval_sources:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
+  for what, path in (("run.out_dir", cfg.run.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
+    check_writable_dir(path, what)
   return tok
+
 
 
 def check_kernels(cfg: config_lib.Config) -> None:

@@ -1,6 +1,7 @@
 """Config: YAML + dotted overrides, type conversion, unknown keys listing the valid ones."""
 
 import glob
+import os
 
 import jax
 import pytest
@@ -17,11 +18,11 @@ def _write(tmp_path, text):
 def test_yaml_and_overrides(tmp_path):
   path = _write(tmp_path, "model: {preset: 30m, overrides: {n_layers: 2}}\nroute: mxfp4\n"
                           "data: {seq_len: 64, sources: [a.txt, 'b/*.xz']}\nrun: {routes: [bf16, nvfp4]}\n")
-  cfg = config.load_config(path, ["optim.lr=1e-3", "route=nvfp4", "run.mesh=[2,4]", "data.batch_size=32",
+  cfg = config.load_config(path, ["optim.lr=1e-3", "run.mesh=[2,4]", "data.batch_size=32",
                                   "model.overrides.dim=384", "run.resume=false", "rules.extra=[lm_head=bf16]"])
   assert cfg.model.preset == "30m" and cfg.model.overrides == {"n_layers": 2, "dim": 384}
   assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads "1e-3" as a string
-  assert cfg.route == "nvfp4"
+  assert cfg.route == "mxfp4"
   assert cfg.data.sources == ("a.txt", "b/*.xz") and cfg.data.seq_len == 64 and cfg.data.batch_size == 32
   assert cfg.run.routes == ("bf16", "nvfp4") and cfg.run.mesh == (2, 4) and cfg.run.resume is False
   assert cfg.rules.extra == ("lm_head=bf16",)
@@ -39,7 +40,10 @@ def test_yaml_and_overrides(tmp_path):
     ("noequals", r"must look like key.sub=value"),
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
-    ("run.compile_cache=off", r"run.compile_cache: expected a string, got False \(YAML reads"),
+    ("run.compile_cache=on", r"run.compile_cache: expected a string, got True \(YAML reads"),
+    ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
+    ("run.steps=.inf", r"run.steps: expected an int, got inf"),
+    ("run.seed=9223372036854775808", r"run.seed: 9223372036854775808 is too large \(\|value\| < 2\*\*63\)"),
     ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none', 'off' or a directory path"),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
@@ -131,6 +135,28 @@ def test_model_overrides_take_the_llama_config_types():
   assert config.replace(cfg, model={"scan_layers": False}).model.overrides == o  # checked again, unchanged
 
 
+def test_documented_words_and_home_paths_are_read_as_meant():
+  """`run.compile_cache=off` as documented (YAML reads it as false); a leading ~ in a path expanded as a shell
+  would (no shell expands it after `=`: it made a directory named "~")."""
+  cfg = config.load_config(None, ["run.compile_cache=off", "run.out_dir=~/runs/x", "data.cache_dir=~/tok"])
+  assert cfg.run.compile_cache == "off"
+  assert cfg.run.out_dir == os.path.expanduser("~/runs/x") and cfg.data.cache_dir == os.path.expanduser("~/tok")
+
+
+def test_route_override_in_compare_mode_is_an_error():
+  """--set route=X with a config that runs run.routes would train those routes and ignore X silently."""
+  with pytest.raises(config.ConfigError, match=r"--set route=... is not read in compare mode.*run.routes=\[nvfp4\]"):
+    config.load_config("configs/cpu_compare.yaml", ["route=nvfp4"])
+  assert config.load_config("configs/cpu_compare.yaml", ["run.routes=[nvfp4]"]).run.routes == ("nvfp4",)
+
+
+def test_a_config_file_that_is_not_text_is_one_line(tmp_path):
+  path = tmp_path / "c.yaml"
+  path.write_bytes(b"\xff\xfe\x00model: x")
+  with pytest.raises(config.ConfigError, match="not UTF-8 text"):
+    config.load_config(str(path))
+
+
 def test_model_override_mistake_is_one_cli_line(tmp_path, capsys, monkeypatch):
   """`python -m train --set model.overrides.rope_theta=-1` is one line and exit status 2 before any data work (it
   used to tokenize, then train to a NaN loss)."""
@@ -153,3 +179,17 @@ def test_a_setting_added_since_a_run_was_saved_counts_as_its_default():
   assert config.changed_settings(saved, now) == []
   more = config.to_dict(config.replace(config.Config(), data={"batch_size": 16, "microbatches": 2}))
   assert config.changed_settings(saved, more) == ["data.microbatches: 1 -> 2"]
+
+
+def test_unusable_directories_are_one_cli_line(tmp_path, capsys):
+  """A run or cache directory that cannot be made or written (a file in its place, a missing parent under a
+  file) is one line and exit status 2 before any work, not an OSError traceback."""
+  from train.main import EXIT_USER_ERROR, main
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  for key in ("run.out_dir", "data.cache_dir", "run.compile_cache"):
+    for path in (blocker, blocker / "sub"):
+      argv = ["--set", f"run.out_dir={tmp_path / 'run'}", "--set", f"{key}={path}"]
+      assert main(argv) == EXIT_USER_ERROR, (key, path)
+      err = capsys.readouterr().err.strip().splitlines()
+      assert err[-1].startswith(f"python -m train: error: {key}={str(path)!r}: cannot use it as a directory"), err
