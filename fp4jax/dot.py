@@ -119,6 +119,9 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return _high_precision_dot(x, w, out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.explicit_axes:  # see _on_auto_axes
+    return _on_auto_axes(x, w, key, route, impl, out_dtype)
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
                np.dtype(x.dtype) if out_dtype is None else out_dtype)
   x, w = _vary_alike(x, w, key)
@@ -127,6 +130,17 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
+
+
+def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:
+  """fp4_dot under a mesh of Explicit axes (`jax.make_mesh`'s default), run with those axes Auto: the
+  quantizers' table lookups and the wgrad GEMM's contraction over sharded tokens have no explicit sharding
+  rule, and XLA's partitioner places them as under an Auto mesh. The result has x's sharding along its leading
+  dims and w's along N."""
+  spec = lambda a: tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim
+  out = jax.sharding.PartitionSpec(*spec(x)[:x.ndim - 1], spec(w)[1])
+  run = lambda x, w, key: fp4_dot(x, w, route=route, key=key, impl=impl, out_dtype=out_dtype)
+  return jax.sharding.auto_axes(run, out_sharding=out)(x, w, key)
 
 
 def _high_precision_dot(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:

@@ -498,6 +498,36 @@ for xs, ws, ys, per_shard in cases:
 """
 
 
+_EXPLICIT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from fp4jax.dot import fp4_dot
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+x = jax.random.normal(jax.random.key(0), (4, 32, 64), jnp.bfloat16)
+w = jax.random.normal(jax.random.key(1), (64, 96), jnp.bfloat16)
+key = jax.random.key(2)
+for route in ("mxfp4", "nvfp4", "quartet2", "fp8"):
+  loss = lambda x, w: jnp.sum(jnp.sin(fp4_dot(x, w, route=route, key=key).astype(jnp.float32)))
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  want = f(x, w)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = f(xs, w)
+    assert jax.typeof(got[1][0]).sharding.spec[0] == "data", jax.typeof(got[1][0]).sharding
+  # dW: two bf16 partial sums added (the device split of the tokens) where one device rounds once.
+  for g, e, tol in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), (1e-5, 1e-5, 1e-2)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=tol,
+                               atol=tol * float(jnp.abs(e.astype(jnp.float32)).max()), err_msg=route)
+"""
+
+
+def test_explicit_axes_mesh_gives_the_unsharded_numbers():
+  """Under a mesh of Explicit axes (`jax.make_mesh`'s default), x split along its batch: the unsharded numbers,
+  and dX keeps x's sharding (every quantized route used to fail in the quantizers' table lookups or in the
+  wgrad GEMM's contraction over the split tokens)."""
+  _run_on_2_cpu_devices(_EXPLICIT)
+
+
 def test_shard_map_value_and_grad_matches_vmap_over_shards():
   """Inside jax.shard_map, with one operand replicated (its gradient summed over the shards), under jit and
   value_and_grad: the numbers of fp4_dot run on each shard (a vmap over the shards, itself equal to a loop:
