@@ -71,9 +71,15 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     raise NotImplementedError(f"no dual-view kernel for fmt={row.fmt!r}")
   extra = {"forms": forms} if kernel in WRITES_VALUES else {}
   if x.ndim == 2 and (axes := rows.split(x.shape[0], (row, col), rows_over)):
-    return rows.on_row_shards(lambda v, offset: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
-                                                       counter_offset=offset), x, axes, (1, 0))
+    return rows.on_row_shards(lambda v, offset, over: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
+                                                             **extra, **_on_rows(kernel, offset, over)), x, axes)
   return kernel(x, row, col, row_keys, col_keys, interpret=interpret, **extra)
+
+
+def _on_rows(kernel: Callable, offset: jax.Array, over: tuple[str, ...]) -> dict:
+  """A dual-view kernel's keywords for a launch on a block of x's rows (`rows`): its SR counters' offset, and
+  for a kernel with a tensor amax the mesh axes to take it over."""
+  return {"counter_offset": offset, **({"amax_over": over} if kernel is nvfp4.views else {})}
 
 
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool,
@@ -85,8 +91,9 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
   if kernel is not None and x.ndim == 2:
     try:
       if axes := rows.split(x.shape[0], (spec,), rows_over):
-        launch = lambda v, offset: (_one_view(kernel, v, spec, axis % 2, keys, interpret, offset),)
-        return rows.on_row_shards(launch, x, axes, (axis % 2,))[0]
+        launch = lambda v, offset, over: (_one_view(kernel, v, spec, axis % 2, keys, interpret,
+                                                    _on_rows(kernel, offset, over)),)
+        return rows.on_row_shards(launch, x, axes)[0]
       return _one_view(kernel, x, spec, axis % 2, keys, interpret)
     except NotImplementedError:
       pass
@@ -108,11 +115,11 @@ _ROWS_PER_TILE = 64  # the tallest tile of `tiling`: the canonical row count mus
 
 
 def _one_view(kernel: Callable, x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys,
-              interpret: bool, counter_offset: jax.Array | None = None) -> QTensor:
+              interpret: bool, extra: dict | None = None) -> QTensor:
   """One view from a dual-view kernel (the unwritten view takes the recipe without its transform: the kernels
-  rotate column views only); `counter_offset` as the kernel's, given only where x is a block of rows."""
+  rotate column views only); `extra`: the kernel's keywords for a block of rows (`_on_rows`)."""
   plain = dataclasses.replace(spec, transform=None)
-  extra = {} if counter_offset is None else {"counter_offset": counter_offset}
+  extra = extra or {}
   return _view(lambda v: kernel(v, spec, plain, keys, keys, interpret=interpret, write=common.ROW, **extra)[0],
                lambda v: kernel(v, plain, spec, keys, keys, interpret=interpret, write=common.COLUMN, **extra)[1],
                x, spec, axis)

@@ -104,6 +104,7 @@ class NvDualConfig:
   tile_2d: one scale per 16x16 tile; row_rounding (== col_rounding) and the row seed serve both views.
   write: which views (row, column) the launch computes and stores (`common.dual_view_call`).
   values: which views are stored as bf16 `ScaledValues` in x's layout (`_values`; 1-D blocks, not 4/6).
+  offset: the SR counters start at a traced offset, a sixth seed word (`views`' counter_offset).
   """
 
   fmt: str = "nvfp4"
@@ -115,6 +116,7 @@ class NvDualConfig:
   interpret: bool = False
   write: tuple[bool, bool] = common.BOTH
   values: tuple[bool, bool] = (False, False)
+  offset: bool = False
 
 
 def _pick_tile(m: int, k: int, fmt: str, rounding: str, tile_rows: int) -> QuantTile:
@@ -243,7 +245,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
-  sign word (`common.sign_words`). prow_ref / pcol_ref: float32
+  sign word (`common.sign_words`), and with `cfg.offset` the SR counters' offset. prow_ref / pcol_ref: float32
   [1, 16] parameter rows (`params.view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
   the even column in the low half. Outputs, parity split out as in `mxfp4`: row codes [bm/2, 2, bk/2],
   row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
@@ -252,7 +254,9 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k)
 
-  r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding if cfg.write[0] or cfg.tile_2d else "rne")
+  offset = seed_ref[5] if cfg.offset else None
+  r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding if cfg.write[0] or cfg.tile_2d else "rne",
+                           offset)
   if cfg.tile_2d:  # one scale per 16x16 tile: 8 row pairs x 8 column pairs; both views draw the row seed's bits
     tiles = (h // 8, 8, w // 8, 8)  # (tile row, row pair, tile column, column pair)
     amax = functools.reduce(jnp.maximum, mag.values()).reshape(tiles)
@@ -276,7 +280,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
     rs_ref[:, p, :] = scales  # [h, w/8]
   if not cfg.write[1]:
     return
-  r24 = common.random_bits(seed_ref, 1, index, cfg.col_rounding)
+  r24 = common.random_bits(seed_ref, 1, index, cfg.col_rounding, offset)
   if cfg.col_transform is not None:  # the column view of hadamard(x, axis=0): the same butterfly as MXFP4's
     n = hadamard.KINDS[cfg.col_transform].n
     negative = jax.lax.bitcast_convert_type(seed_ref[4], jnp.int32)
@@ -303,12 +307,19 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
   # One parameter row for every program (a global S_enc), or one per row / column block.
   row_map, col_map = ((lambda i, j: (0, 0),) * 2 if cfg.fmt in _GLOBAL else
                       (lambda i, j: (i, 0), lambda i, j: (j, 0)))
-  inputs = [(seeds, pl.BlockSpec((5,), lambda i, j: (0,))),
+  inputs = [(seeds, pl.BlockSpec(seeds.shape, lambda i, j: (0,))),
             (prow, pl.BlockSpec((1, params.N_PARAMS), row_map)),
             (pcol, pl.BlockSpec((1, params.N_PARAMS), col_map))]
   return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
                                inputs, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
                                values=cfg.values)
+
+
+def _amax_over(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """The largest of the devices' amaxes (>= 0, or NaN), NaN where any is: taken over their float32 bits as
+  int32, which order as the values and put NaN above inf (a float `pmax` dropped NaN on XLA:CPU)."""
+  bits = jax.lax.bitcast_convert_type(jnp.abs(amax), jnp.int32)
+  return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
@@ -364,7 +375,8 @@ def _rounding(row: OperandSpec, col: OperandSpec) -> str:
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
           col_keys: OperandKeys = OperandKeys(), *, tensor_amax: jax.Array | None = None, tile_rows: int = 128,
           tile: QuantTile | None = None, interpret: bool = False, write: tuple[bool, bool] = common.BOTH,
-          forms: tuple[str, str] = ("codes", "codes")) -> tuple[Quantized | None, Quantized | None]:
+          forms: tuple[str, str] = ("codes", "codes"), counter_offset: jax.Array | None = None,
+          amax_over: tuple[str, ...] = ()) -> tuple[Quantized | None, Quantized | None]:
   """Both NVFP4 views of bf16 x[M, K] from one fused pass: (row view along K, column view along M).
 
   Equal bit for bit to `reference.quantize(x, row.fmt, axis=-1, rounding=row.rounding, key=row_keys.rounding,
@@ -378,6 +390,9 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   kernel's work, and only the amax pass that view reads). `forms` (row, column): a view asked as "values"
   comes as `ScaledValues` in x's layout where its blocks are 1-D and not 4/6, else as codes. Raises
   NotImplementedError where `check` does; `interpret=True` runs the kernels in Pallas interpret mode (CPU).
+  Where x is a block of rows of a larger array (`pallas.rows`, inside a shard_map): `counter_offset` (uint32)
+  is added to every SR counter, and the tensor amaxes are taken over the mesh axes `amax_over` (a `pmax`), so
+  that the codes are the larger array's.
   """
   check(x, row, col, row_keys, col_keys, tile_rows=tile_rows)
   fmt, transform = row.fmt, col.transform
@@ -393,7 +408,9 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   if row.tile_2d:
     col_key = row_key  # one draw per element serves both views (`check` made sure they share the key)
   words = common.sign_words(transform, col_keys.transform)  # the kernel reads the first (transforms <= 32)
-  seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), words[:1]])
+  offset = counter_offset is not None and "sr" in (row.rounding, col.rounding)  # only SR draws read it
+  seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), words[:1],
+                           jnp.asarray(counter_offset, jnp.uint32).reshape(1) if offset else words[:0]])
   write_row, write_col = write
   if fmt in _GLOBAL:
     rotated = transform is not None and write_col
@@ -404,13 +421,16 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     else:
       row_amax = col_amax = (amax_lib.bf16_amax(x) if tensor_amax is None else
                              jnp.asarray(tensor_amax, jnp.float32).reshape(()))
+    if amax_over and tensor_amax is None:  # the whole array's
+      row_amax, col_amax = (_amax_over(a, amax_over) for a in (row_amax, col_amax))
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = params.view_params((row_amax, col_amax), (row.rounding, col.rounding),
                                                             (tile.block_m, tile.block_k), fmt)
   values = tuple(bool(w) and f == "values" and not row.tile_2d and fmt != "nvfp4_46" for w, f in zip(write, forms))
   cfg = NvDualConfig(fmt=fmt, row_rounding=row.rounding, col_rounding=col.rounding, tile_2d=row.tile_2d,
-                     col_transform=transform, tile=tile, interpret=interpret, write=tuple(write), values=values)
+                     col_transform=transform, tile=tile, interpret=interpret, write=tuple(write), values=values,
+                     offset=offset)
   rc, rs, cc, cs = _nv_call(x, seeds, prow, pcol, cfg)
   e4m3 = jnp.float8_e4m3fn
 
