@@ -37,7 +37,7 @@ import resource
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -264,10 +264,35 @@ class CompiledOnFirstCall:
   def __call__(self, *args):
     if self.compiled is None:
       from fp4jax import compiling
-      with jax.set_mesh(self.mesh):
-        self.compiled, self.report = compiling.compile_program(self.jitted, *args, *self.bound,
-                                                               threads=self.threads, directory=self.directory)
+
+      def compile_():
+        with jax.set_mesh(self.mesh):
+          return compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
+                                           directory=self.directory)
+      self.compiled, self.report = on_worker_thread(compile_)
     return self.compiled(*args, *self.bound)
+
+
+def on_worker_thread(fn: Callable[[], Any], poll: float = 0.2) -> Any:
+  """fn() run on another thread while this one waits in short joins, so that a signal is handled at once:
+  Python runs signal handlers on the main thread only, between bytecodes, and a minutes-long XLA compile on
+  it held a Ctrl-C (and the second one, meant to stop at once) until the compile ended. fn's exception is
+  raised here; a KeyboardInterrupt or a handler's exception leaves the worker behind (a daemon thread)."""
+  result: dict[str, Any] = {}
+
+  def run():
+    try:
+      result["value"] = fn()
+    except BaseException as err:  # re-raised on the calling thread
+      result["error"] = err
+
+  worker = threading.Thread(target=run, name="fp4jax-compile", daemon=True)
+  worker.start()
+  while worker.is_alive():
+    worker.join(poll)
+  if "error" in result:
+    raise result["error"]
+  return result["value"]
 
 
 def build_model(cfg: config_lib.Config, lcfg):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -419,3 +420,27 @@ def test_lr_schedules():
   with pytest.raises(config.ConfigError, match=r"optim.schedule='linear' must be one of \['cosine', 'wsd'\]"):
     train.lr_schedule(config.OptimConfig(schedule="linear"), 10)
 
+
+
+def test_a_signal_is_handled_while_the_first_step_compiles():
+  """The first call compiles on a worker thread (`train.on_worker_thread`) while the main thread waits in short
+  joins: a signal's handler runs at once, where a compile on the main thread held it (and a second Ctrl-C,
+  meant to stop at once) until the compile ended. The worker's result and exceptions come back."""
+  class Stop(Exception):
+    pass
+
+  def handler(signum, frame):
+    raise Stop
+
+  previous = signal.signal(signal.SIGUSR1, handler)
+  try:
+    t0 = time.monotonic()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    with pytest.raises(Stop):
+      train.on_worker_thread(lambda: time.sleep(5))  # a compile: the GIL released, the main thread waiting
+    assert time.monotonic() - t0 < 2
+  finally:
+    signal.signal(signal.SIGUSR1, previous)
+  assert train.on_worker_thread(lambda: 42) == 42
+  with pytest.raises(ZeroDivisionError):
+    train.on_worker_thread(lambda: 1 / 0)
