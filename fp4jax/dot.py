@@ -120,7 +120,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
   mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.explicit_axes:  # see _on_auto_axes
+  if not mesh.empty and any(mesh.shape[a] > 1 for a in mesh.explicit_axes):  # see _on_auto_axes
     return _on_auto_axes(x, w, key, route, impl, out_dtype)
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
                np.dtype(x.dtype) if out_dtype is None else out_dtype)
@@ -133,7 +133,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
 
 
 def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:
-  """fp4_dot under a mesh of Explicit axes (`jax.make_mesh`'s default), run with those axes Auto: the
+  """fp4_dot under a mesh of Explicit axes (`jax.make_mesh`'s default) that split, run with those axes Auto: the
   quantizers' table lookups and the wgrad GEMM's contraction over sharded tokens have no explicit sharding
   rule, and XLA's partitioner places them as under an Auto mesh. The result has x's sharding along its leading
   dims and w's along N."""

@@ -71,6 +71,8 @@ class Route:
       if ta != tb:
         raise ValueError(f"Route {self.name!r}: the {gemm} transform must be applied to both operands "
                          f"(it cancels only then): {a}.transform={ta!r}, {b}.transform={tb!r}")
+    if not isinstance(self.requantize_saved, bool):  # a truthy string would silently turn it on
+      raise TypeError(f"Route {self.name!r}: requantize_saved takes True or False, got {self.requantize_saved!r}")
     if self.requantize_saved and not all(self.spec(r).quantized for r in ROLES):
       raise ValueError(f"Route {self.name!r}: requantize_saved needs every operand quantized (the backward "
                        f"re-quantizes the saved FP4 X and W): {self}")

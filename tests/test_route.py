@@ -81,6 +81,9 @@ def test_route_transform_must_be_on_both_operands():
 def test_route_requantize_saved_needs_quantized_operands():
   with pytest.raises(ValueError, match="requantize_saved"):
     Route("bad", fprop_x=OperandSpec("nvfp4"), fprop_w=OperandSpec("nvfp4"), requantize_saved=True)
+  with pytest.raises(TypeError, match="requantize_saved takes True or False, got 'no'"):  # a truthy str: on
+    Route("bad", requantize_saved="no")
+  assert OperandSpec("mxfp4", clip_fraction=np.float32(0.87)).clip_fraction == np.float32(0.87)
 
 
 def test_route_none_means_high_precision_and_is_hashable():

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -72,8 +73,11 @@ class FP4Linear(nnx.Module):
       rngs: nnx.Rngs,
   ):
     for name, size in (("in_features", in_features), ("out_features", out_features)):
-      if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
         raise ValueError(f"FP4Linear's {name} takes an int >= 1, got {size!r}")
+    in_features, out_features = int(in_features), int(out_features)  # NumPy ints too (a shape's entries)
+    if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
+      raise ValueError(f"FP4Linear's param_dtype= takes a floating-point dtype, got {jnp.dtype(param_dtype)}")
     if (isinstance(kernel_sharding, str) or len(kernel_sharding) != 2
         or not all(a is None or isinstance(a, str) for a in kernel_sharding)):
       raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out]), got "

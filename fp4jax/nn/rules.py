@@ -95,6 +95,8 @@ class RouteRules:
 
   def resolve(self, path: str) -> Route:
     """The route of the module at dotted `path`: the first rule whose regex fully matches, else default."""
+    if not isinstance(path, str):
+      raise TypeError(f"RouteRules.resolve takes a dotted module path (a str, e.g. 'layers.0.attn.q'), got {path!r}")
     i = self._decider(path)
     return route_lib.get(self.default if i is None else (self.rules + self.fallback)[i][1])
 

@@ -334,6 +334,10 @@ def _check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_f
     raise ValueError(f"unknown {rounding=}; valid roundings: {tuple(ROUNDINGS)}")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"{axis=} is out of range for an input of {x.shape=}")
+  if not isinstance(tile_2d, (bool, np.bool_)):  # a truthy string would silently mean 2-D tiles
+    raise TypeError(f"quantize's tile_2d takes True or False, got {tile_2d!r}")
+  if tensor_amax is not None and np.size(tensor_amax) != 1:
+    raise ValueError(f"tensor_amax is one value (the tensor's max |x|), got shape {np.shape(tensor_amax)}")
   axis %= x.ndim
   n, block = x.shape[axis], spec.block
   if n % block:
@@ -398,6 +402,10 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
 
   Returns:
     QTensor with K-major codes `[..., n // 2]`, scales `[..., n // block]` and the format's outer factor.
+
+  Not a differentiable fake-quantizer: the codes are integers, so `jax.grad` through quantize -> dequantize is
+  zero, but for a spike at the element that sets a per-tensor amax. Training quantizes through `fp4_dot`,
+  whose custom VJP quantizes each GEMM's operands by the route.
   """
   spec = get_format(fmt)
   cfg = _check(x, spec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows, tensor_amax)
@@ -449,7 +457,13 @@ def decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   """The values a QTensor stands for, in the original shape, as `dtype`: element(code) * scale * outer (FP8: no
-  block scale), each product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`)."""
+  block scale), each product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`). `dtype`: a
+  floating-point dtype (an integer one would truncate the values)."""
+  if not isinstance(q, QTensor):
+    what = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
+    raise TypeError(f"dequantize takes a QTensor (from quantize), got {what}")
+  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    raise ValueError(f"dequantize's dtype must be a floating-point dtype, got {jnp.dtype(dtype)}")
   spec, vals = q.spec, q.element_values()  # [..., n]
   *lead, n = vals.shape
   if q.scales is not None:  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it

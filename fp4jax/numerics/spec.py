@@ -11,6 +11,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from fp4jax.numerics.formats import FORMATS
 from fp4jax.numerics.hadamard import KINDS
@@ -86,7 +87,7 @@ class OperandSpec:
   def __post_init__(self):
     if not isinstance(self.tile_2d, bool):  # a truthy string would silently mean 2-D tiles
       raise TypeError(f"tile_2d takes True or False, got {self.tile_2d!r}")
-    if self.clip_fraction is not None and (not isinstance(self.clip_fraction, (int, float))
+    if self.clip_fraction is not None and (not isinstance(self.clip_fraction, (int, float, np.floating))
                                            or isinstance(self.clip_fraction, bool)):
       raise TypeError(f"clip_fraction takes a number in (0, 1] or None, got {self.clip_fraction!r}")
     for option in ("fmt", "rounding", "transform", "scale_rule"):

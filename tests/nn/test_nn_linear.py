@@ -45,6 +45,7 @@ def test_unknown_route_is_an_error():
     ({"kernel_sharding": ("a", "b", "c")}, "kernel_sharding takes 2 mesh-axis names or None"),
     ({"kernel_sharding": "ab"}, "kernel_sharding takes 2 mesh-axis names or None"),
     ({"kernel_sharding": (), "use_bias": True}, "kernel_sharding takes 2 mesh-axis names or None"),
+    ({"param_dtype": jnp.int32}, "param_dtype= takes a floating-point dtype, got int32"),
 ])
 def test_bad_settings_are_named_when_the_layer_is_built(kwargs, match):
   """Mistakes fail at construction naming the argument, not at the first call as an error about x."""
@@ -54,6 +55,7 @@ def test_bad_settings_are_named_when_the_layer_is_built(kwargs, match):
     FP4Linear(K, -1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="FP4Linear takes an array x"):
     FP4Linear(K, N, rngs=nnx.Rngs(0))(jnp.float32(1))
+  assert FP4Linear(np.int64(K), N, rngs=nnx.Rngs(0)).in_features == K  # a shape's NumPy int is an int
 
 
 def test_bf16_equals_nnx_linear_exactly():

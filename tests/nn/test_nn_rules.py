@@ -102,6 +102,8 @@ def test_malformed_rules_are_rejected(rules, error, match):
 def test_malformed_specs_are_rejected(specs, error, match):
   with pytest.raises(error, match=match):
     RouteRules.parse(specs)
+  with pytest.raises(TypeError, match="takes a dotted module path"):
+    RouteRules.parse(["lm_head=bf16"]).resolve(3)
 
 
 @pytest.mark.parametrize("kw, name", [({"bf16_first": 1.5}, "bf16_first"), ({"bf16_last": "1"}, "bf16_last"),

@@ -419,6 +419,8 @@ def test_quartet2_reference_errors():
     (lambda x: ref.quantize(x, "mxfp4", scale_rule="floor"), "valid rules"),
     (lambda x: ref.quantize(x, "nvfp4", scale_rule="ocp"), "mxfp4 only"),
     (lambda x: ref.quantize(x, "mxfp4", axis=2), "out of range"),
+    (lambda x: ref.quantize(x, "nvfp4", tensor_amax=jnp.ones(3)), r"one value .* got shape \(3,\)"),
+    (lambda x: ref.dequantize(ref.quantize(x, "mxfp4"), jnp.int8), "floating-point dtype, got int8"),
 ])
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
@@ -428,6 +430,8 @@ def test_invalid_calls(call, match):
 @pytest.mark.parametrize("call,match", [
     (lambda x: ref.quantize(x, "mxfp4", axis="a"), "axis must be an int, got 'a'"),
     (lambda x: ref.quantize(np.asarray(x).tolist(), "mxfp4"), r"takes an array, got a list"),
+    (lambda x: ref.quantize(x, "mxfp4", tile_2d="no"), "tile_2d takes True or False, got 'no'"),  # was True
+    (lambda x: ref.dequantize(x), r"takes a QTensor \(from quantize\), got an array of shape \(64, 64\)"),
 ])
 def test_invalid_call_types(call, match):
   with pytest.raises(TypeError, match=match):

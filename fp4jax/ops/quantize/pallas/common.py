@@ -157,9 +157,9 @@ def random_bits(seed_ref, which: int, index, rounding: str = "sr", offset=None) 
   out = {}
   for key_ in index.keys:
     rows, cols = index(key_)
+    k0, k1 = seed_ref[2 * which], seed_ref[2 * which + 1]  # loaded before the counters, as they always were
     counter = rows * jnp.uint32(index.k) + cols
-    r = prng.hash_bits(seed_ref[2 * which], seed_ref[2 * which + 1],
-                       counter if offset is None else counter + offset) >> 8
+    r = prng.hash_bits(k0, k1, counter if offset is None else counter + offset) >> 8
     out[key_] = jax.lax.bitcast_convert_type(r, jnp.int32)
   return out
 

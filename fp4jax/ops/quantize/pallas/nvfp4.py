@@ -410,7 +410,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
   words = common.sign_words(transform, col_keys.transform)  # the kernel reads the first (transforms <= 32)
   offset = counter_offset is not None and "sr" in (row.rounding, col.rounding)  # only SR draws read it
   seeds = jnp.concatenate([_seeds(row.rounding, row_key, "row"), _seeds(col.rounding, col_key, "col"), words[:1],
-                           jnp.asarray(counter_offset, jnp.uint32).reshape(1) if offset else words[:0]])
+                           *([jnp.asarray(counter_offset, jnp.uint32).reshape(1)] if offset else [])])
   write_row, write_col = write
   if fmt in _GLOBAL:
     rotated = transform is not None and write_col
