@@ -207,6 +207,7 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   workers = min(workers or os.cpu_count() or 1, len(files))
   total_bytes = sum(os.path.getsize(f) for f in files)
   t0, n_tokens, done_bytes, shown = time.time(), 0, 0, 0.0
+  _remove_stale_temporaries(bin_path, log)
   tmp = f"{bin_path}.tmp{os.getpid()}"
   try:
     with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
@@ -239,6 +240,26 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
     json.dump({"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tok.name, "files": len(files)}, f)
   os.replace(meta_path + ".tmp", meta_path)
   return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+def _remove_stale_temporaries(bin_path: str, log) -> None:
+  """Deletes the partial token files `{bin_path}.tmp<pid>` of tokenizing processes that are gone: a process
+  killed outright (SIGTERM's or SIGKILL's default action) cannot remove its own. A live process's is kept."""
+  for path in glob.glob(glob.escape(bin_path) + ".tmp*"):
+    pid = path.rsplit(".tmp", 1)[1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      os.kill(int(pid), 0)
+      continue  # alive (or another user's): not ours to delete
+    except ProcessLookupError:
+      pass
+    except PermissionError:
+      continue
+    with contextlib.suppress(OSError):
+      os.remove(path)
+      if log is not None:
+        log.write(f"[data] removed {path}, the partial token file of a process that was stopped (pid {pid})\n")
 
 
 def split_heldout(tokens: np.ndarray, eos_id: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -226,7 +226,13 @@ def record_changes(run: Run, rec: dict[str, Any]) -> list[str]:
   steps = [] if rec.get("steps") == run.cfg.run.steps else [
       f"run.steps: {rec.get('steps')!r} -> {run.cfg.run.steps!r} (study.tokens)"]
   saved = rec.get("config") if isinstance(rec.get("config"), dict) else {}
-  return steps + config_lib.changed_settings(saved, config_lib.to_dict(run.cfg), also_neutral=_PATHS)
+  # run.log_every is neutral to a training run, not to a record: its final train loss averages the last
+  # study.final_logged *logged* losses, which log_every spaces out.
+  logged = (saved.get("run") or {}).get("log_every", run.cfg.run.log_every)
+  spacing = [] if logged == run.cfg.run.log_every else [
+      f"run.log_every: {logged!r} -> {run.cfg.run.log_every!r} (the final train loss averages the last "
+      f"study.final_logged logged losses)"]
+  return steps + spacing + config_lib.changed_settings(saved, config_lib.to_dict(run.cfg), also_neutral=_PATHS)
 
 
 def study_records(study: Study) -> tuple[list[dict[str, Any]], list[str]]:

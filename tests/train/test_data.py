@@ -5,7 +5,10 @@ import gzip
 import io
 import lzma
 import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -216,3 +219,22 @@ def test_load_splits_with_eval_file(tmp_path):
   for n in (10, 0):
     with pytest.raises(UserError, match="not one batch"):
       data.eval_windows(np.arange(n), 9, 2, 3)
+
+
+def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):
+  """A tokenizing process killed outright (SIGTERM's default action) leaves its `.bin.tmp<pid>`; the next build
+  of that cache deletes it, and leaves a live process's alone."""
+  files = _corpus(tmp_path)
+  cache = tmp_path / "cache"
+  data.build_token_cache(files, "byte", "", str(cache), log=None)
+  bin_path = next(cache.glob("*.bin"))
+  gone = subprocess.Popen([sys.executable, "-c", "pass"])
+  gone.wait()
+  stale, live = (pathlib.Path(f"{bin_path}.tmp{pid}") for pid in (gone.pid, os.getppid()))
+  for p in (stale, live):
+    p.write_bytes(b"partial")
+  for p in cache.iterdir():  # a rebuild: the cached tokens are gone
+    if p.suffix in (".bin", ".json"):
+      p.unlink()
+  data.build_token_cache(files, "byte", "", str(cache), log=None)
+  assert not stale.exists() and live.exists()

@@ -179,7 +179,8 @@ def test_records_are_checked_against_the_study(tmp_path, monkeypatch, capsys):
   capsys.readouterr()
   for override, change in (("optim.lr=0.03", "optim.lr: 0.01 -> 0.03"),
                            ("study.tokens=2000", "run.steps: 3 -> 8 (study.tokens)"),
-                           ("data.seq_len=16", "data.seq_len: 32 -> 16")):
+                           ("data.seq_len=16", "data.seq_len: 32 -> 16"),
+                           ("run.log_every=2", "run.log_every: 1 -> 2 (the final train loss averages")):
     for mode in (["--only", "mxfp4_last1:1"], ["--report"]):
       assert study.main(["--config", path, "--set", override, *mode]) == EXIT_USER_ERROR
       err = capsys.readouterr().err.strip()
