@@ -18,6 +18,15 @@ def _fmt_duration(s: float) -> str:
   return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def _record(line: str) -> dict | None:
+  """A metrics.jsonl line's record; None for a blank line or a torn one (a process stopped mid-write)."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError:
+    return None
+  return record if isinstance(record, dict) and "step" in record else None
+
+
 class ProgressBar:
   """[route] step/total, loss, tok/s, elapsed and ETA on stderr (no tqdm dependency).
 
@@ -61,7 +70,7 @@ class MetricsLogger:
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     if os.path.exists(self.jsonl_path):
       with open(self.jsonl_path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after]
+        kept = [line for line in f if (record := _record(line)) is not None and record["step"] <= after]
       with open(self.jsonl_path + ".tmp", "w") as f:
         f.writelines(kept)
       os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
@@ -115,8 +124,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
   latest: dict[tuple[str, int], dict[str, Any]] = {}
   with open(path) as f:
     for line in f:
-      if line.strip():
-        r = json.loads(line)
+      if (r := _record(line)) is not None and "kind" in r:
         latest[(r["kind"], r["step"])] = r
   return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
 

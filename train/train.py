@@ -523,9 +523,11 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   os.makedirs(r.out_dir, exist_ok=True)
   if lead and not checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt")):  # a fresh start: no log to continue
     metrics.set_aside(r.out_dir, log=sys.stderr)
-  if lead:
-    with open(os.path.join(r.out_dir, "config.yaml"), "w") as f:
+  if lead:  # written whole or not at all (a process stopped mid-write left a torn file that blocked resuming)
+    path = os.path.join(r.out_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
+    os.replace(path + ".tmp", path)
   mesh = check_mesh(cfg)
   it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)  # checks sizes first
   eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
@@ -615,8 +617,14 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
     raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
   saved_cfg, saved = os.path.join(r.out_dir, "config.yaml"), {}
   if os.path.exists(saved_cfg):
-    with open(saved_cfg) as f:
-      saved = yaml.safe_load(f) or {}
+    try:
+      with open(saved_cfg) as f:
+        saved = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+      saved = err
+    if not isinstance(saved, dict) or not saved:
+      raise UserError(f"{held}, but its {saved_cfg} is damaged or empty, so its settings cannot be compared with "
+                      f"these: restore it (the settings the run was started with), or use another run.out_dir")
     changed = config_lib.changed_settings(saved, config_lib.to_dict(cfg))
     if changed:
       raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "

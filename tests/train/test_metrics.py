@@ -44,6 +44,22 @@ def test_resume_replaces_the_steps_it_runs_again(tmp_path):
   assert [(r["step"], r["loss"]) for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == expected
 
 
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
+  """A process stopped mid-write leaves a torn last line in metrics.jsonl: resuming and reading drop it (they
+  raised a JSONDecodeError, which blocked the resume)."""
+  first = metrics.MetricsLogger(str(tmp_path), "mxfp4")
+  for step in range(1, 4):
+    first.log(step, "train", {"loss": float(step)})
+  first.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "kind": "tra')
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+  again = metrics.MetricsLogger(str(tmp_path), "mxfp4", after=3)
+  again.log(4, "train", {"loss": 4.0})
+  again.close()
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4]
+
+
 class _Terminal(io.StringIO):
   def isatty(self) -> bool:
     return True

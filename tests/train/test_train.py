@@ -62,6 +62,10 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
     train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
   with pytest.raises(UserError, match=r"with other settings \(optim.lr: 0.01 -> 0.02\): use another run.out_dir"):
     train.run(config.replace(cfg, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
+  for damaged in ("model: [unclosed\n", ""):  # a torn or emptied config.yaml: one line naming it, not a traceback
+    (resumed_dir / "config.yaml").write_text(damaged)
+    with pytest.raises(UserError, match=r"config.yaml is damaged or empty, so its settings cannot be compared"):
+      train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}), TOKENS, TOKENS[:2000], 257)
 
 
 def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
