@@ -242,6 +242,8 @@ class Config:
     _check_route("route", self.route)
     for i, name in enumerate(self.run.routes):
       _check_route(f"run.routes[{i}]", name)
+    if len(set(self.run.routes)) != len(self.run.routes):  # one out_dir per route: a repeat would train it twice
+      raise ConfigError(f"run.routes={list(self.run.routes)} names a route twice")
     from fp4jax.nn.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
     n_layers = LlamaConfig.preset(self.model.preset, **self.model.overrides).n_layers  # checked by ModelConfig
     if self.rules.bf16_first + self.rules.bf16_last > n_layers:
@@ -329,8 +331,10 @@ def build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
   unknown = sorted(set(raw) - set(names))
   if unknown:
     prefix = f"{where}." if where else ""
+    hint = "; a `study:` config runs with `python -m train.study --config ...`" if not where and "study" in unknown \
+        else ""
     raise ConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; valid keys in "
-                      f"{where or 'the top level'}: {names}")
+                      f"{where or 'the top level'}: {names}{hint}")
   kwargs = {k: convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in raw.items()}
   return cls(**kwargs)
 

@@ -43,6 +43,8 @@ def test_yaml_and_overrides(tmp_path):
     ("run.compile_cache=on", r"run.compile_cache: expected a string, got True \(YAML reads"),
     ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
     ("run.steps=.inf", r"run.steps: expected an int, got inf"),
+    ("run.routes=[bf16,mxfp4,bf16]", r"run.routes=\['bf16', 'mxfp4', 'bf16'\] names a route twice"),
+    ("study.tokens=1", r"unknown key\(s\) \['study'\].*python -m train.study"),
     ("run.seed=9223372036854775808", r"run.seed: 9223372036854775808 is too large \(\|value\| < 2\*\*63\)"),
     ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none', 'off' or a directory path"),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
