@@ -4,7 +4,8 @@
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]";
 # COMPILE_PRESETS (30m 125m 1b) and REPEAT (2) shape the compile part)
-# parts: tests verify quantize dot compile step train (default: tests quantize dot train).
+# parts: tests verify quantize dot compile step train mesh (default: tests quantize dot train; mesh needs a
+# host of several GPUs).
 # Logs and results land in $OUT.
 # Limits: one device call allows 600 s. The GPU tests run in TEST_WORKERS (4) pytest processes that allocate
 # GPU memory as they need it: 83 of them took 57 s on an H200 that way (2026-12-05), where one process had
@@ -35,7 +36,10 @@ for part in "${parts[@]}"; do
       log "GPU tests of the kernels, numerics and programs compiled with their kernels first (fp4jax.compiling)"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize tests/test_dot_kernels.py tests/numerics \
-        tests/test_compiling.py 2>&1 | tail -20 ;;
+        tests/test_compiling.py 2>&1 | tail -20
+      log "fp4_dot on a mesh: kernels on each device's rows (8 CPU devices) and programs compiled for two H200s"
+      timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -p no:cacheprovider tests/ops/quantize/test_rows.py 2>&1 \
+        | tail -5 ;;
     quantize)
       log "fused quantizer bench"
       timeout ${QUANTIZE_LIMIT:-400} python3 -m bench quantize --out "$OUT/quantize" \
@@ -82,6 +86,22 @@ for part in "${parts[@]}"; do
         --set run.steps=${STEPS:-300} --set run.eval_every=100 --set optim.warmup=30 --set run.eval_batches=8 --set run.ckpt_every=0 \
         --set data.batch_size=16 --set run.progress=false --set "run.out_dir=$OUT/train" ${TRAIN_ARGS:-} 2>&1 \
         | tail -40 ;;
-    *) echo "unknown part $part (tests verify quantize dot compile step train)"; exit 2 ;;
+    mesh)
+      # Issue 16 (on a host of several GPUs): the same global batch on one GPU, then on every GPU of the host,
+      # data parallel and FSDP, per route; each run's table gives tokens/s and peak memory. fp4_dot quantizes
+      # each GPU's own tokens (fp4jax.Impl.token_axes; checked on CPU devices and in programs compiled for two
+      # H200s, never yet on GPUs).
+      for route in ${MESH_ROUTES:-bf16 mxfp4}; do
+        for how in "1gpu:[1,1]:0" "data:[-1,1]:" "fsdp:[1,-1]:"; do
+          IFS=: read -r name mesh devices <<< "$how"
+          log "Llama-1B $route, $name (run.mesh=$mesh)"
+          env ${devices:+CUDA_VISIBLE_DEVICES=$devices} timeout ${MESH_LIMIT:-280} python3 -m train \
+            --config configs/llama_1b.yaml --set route=$route --set "run.mesh=$mesh" \
+            --set "data.sources=[$DATA/wiki/*.xz]" --set "data.tokenizer_path=$DATA/gpt2" \
+            --set run.steps=${MESH_STEPS:-30} --set run.eval_every=0 --set run.ckpt_every=0 --set run.progress=false \
+            --set "run.out_dir=$OUT/mesh_${route}_$name" 2>&1 | tail -4
+        done
+      done ;;
+    *) echo "unknown part $part (tests verify quantize dot compile step train mesh)"; exit 2 ;;
   esac
 done
