@@ -32,9 +32,9 @@ class Impl:
       (dequantize and dot, anywhere), "fp8" (Hopper FP8 tensor cores) or "native" (Blackwell block-scaled).
     token_axes: the mesh axes (of the mesh in context, `jax.set_mesh`) over which the tokens (x's and dY's
       rows) are split, so that each device quantizes only its own with the fused kernels
-      (`ops.quantize.pallas.rows`: MXFP4 and NVFP4 recipes; others are gathered whole, as XLA partitions a
-      kernel it cannot see into); "auto": every axis of that mesh, as a data-parallel or FSDP batch is split (the
-      training loop's ("data", "fsdp")); () splits none.
+      (`ops.quantize.pallas.rows`: MXFP4, NVFP4 and MS-EDEN recipes; tile-local NVFP4 is gathered whole, as
+      XLA partitions a kernel it cannot see into); "auto": every axis of that mesh, as a data-parallel or
+      FSDP batch is split (the training loop's ("data", "fsdp")); () splits none.
   """
 
   quantizer: str = "auto"

@@ -61,9 +61,9 @@ operands = {  # name: (spec, axis, keys): one view, through the single-view laun
     "nv sr along K": (nv(rounding="sr"), 1, rk),
 }
 leaves = lambda qs: jax.tree.leaves(tuple(qs))
-def compare(f):  # f(x, rows_over) on one device against f split over the mesh: equal bits; was it split
+def compare(f, inputs=None):  # f(x, rows_over) on one device against f split over the mesh: equal bits; split?
   result = {"same": [], "split": True}
-  for x in (clean, edges):
+  for x in inputs or (clean, edges):
     want = jax.jit(f, static_argnums=1)(x, ())
     with jax.set_mesh(mesh):
       xs = jax.device_put(x, NamedSharding(mesh, P(AXES)))
@@ -81,6 +81,14 @@ for name, (row, col, rkeys, ckeys) in views.items():
 for name, (spec, axis, keys) in operands.items():
   out[name] = compare(lambda x, axes: leaves([api.quantize_operand(x, spec, axis, keys, implementation="interpret",
                                                                    rows_over=axes)]))
+# MS-EDEN (quartet2's backward): groups of 128 rows along M, so 128 rows per device at the least.
+tall = jax.random.normal(ks[0], (1024, 128)) * jnp.exp2(jax.random.randint(ks[1], (1024, 1), -20, 20))
+tall = tall.astype(jnp.bfloat16)
+eden = OperandSpec("nvfp4", rounding="eden", transform="rht128")
+for axis in (1, 0):
+  out[f"eden+rht128 along {'KM'[1 - axis]}"] = compare(
+      lambda x, axes: leaves([api.quantize_operand(x, eden, axis, sr, implementation="interpret", rows_over=axes)]),
+      (tall, tall.at[700, 3].set(jnp.inf)))
 # Not split: tile-local NVFP4 (per-row outer factors), and rows that do not make whole 32-row blocks on every
 # device.
 with jax.set_mesh(mesh):
@@ -99,7 +107,9 @@ x = jax.random.normal(ks[0], (8, 32, 256), jnp.bfloat16)  # [B, T, K]: B split o
 w = jax.random.normal(ks[1], (256, 192), jnp.bfloat16) * 0.05
 g = jax.random.normal(ks[2], (8, 32, 192), jnp.bfloat16)
 out = {}
-for route in ("mxfp4", "mxfp4_h32", "nvfp4"):
+for route in ("mxfp4", "mxfp4_h32", "nvfp4", "quartet2"):
+  if route == "quartet2":  # MS-EDEN's groups of 128 tokens: 128 per device
+    x, g = (jax.random.normal(k, (8, 128, n), jnp.bfloat16) for k, n in ((ks[0], 256), (ks[2], 192)))
   def f(x, w, key):
     y, vjp = jax.vjp(lambda x, w: fp4jax.fp4_dot(x, w, route=route, key=key, impl=fp4jax.Impl("interpret")), x, w)
     return (y, *vjp(g))
@@ -169,17 +179,17 @@ print(len(re.findall(r" all-gather(?:-start)?\\(", text)), len(re.findall(r" all
 
 @pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
 def test_h200_data_parallel_step_gathers_no_activations():
-  """fp4_dot's mxfp4 and nvfp4 forward and backward compiled for two H200s (no GPU needed), x split along its
+  """fp4_dot's mxfp4, nvfp4 and quartet2 forward and backward compiled for two H200s (no GPU needed), x split along its
   tokens: with the quantizers on each device's tokens the program gathers nothing (W's gradient and the tensor
   amaxes are all-reduced); with them on the whole x (token_axes=()), XLA gathers x onto both devices for the
   kernel, as it did before."""
   env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
   counts = {}
-  for mode, route in (("split", "mxfp4"), ("split", "nvfp4"), ("whole", "mxfp4")):
+  for mode, route in (("split", "mxfp4"), ("split", "nvfp4"), ("split", "quartet2"), ("whole", "mxfp4")):
     done = subprocess.run([sys.executable, "-c", _H200_DATA_PARALLEL, mode, route], capture_output=True, text=True,
                           env=env, cwd=pathlib.Path(__file__).resolve().parents[3], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     counts[mode, route] = tuple(int(n) for n in done.stdout.split())
-  for route in ("mxfp4", "nvfp4"):
+  for route in ("mxfp4", "nvfp4", "quartet2"):
     assert counts["split", route][0] == 0 and counts["split", route][1] >= 1, counts
   assert counts["whole", "mxfp4"][0] >= 1, counts

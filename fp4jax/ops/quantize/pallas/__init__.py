@@ -35,6 +35,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from fp4jax import platform
 from fp4jax.numerics.qtensor import QTensor, Quantized
@@ -71,15 +72,16 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     raise NotImplementedError(f"no dual-view kernel for fmt={row.fmt!r}")
   extra = {"forms": forms} if kernel in WRITES_VALUES else {}
   if x.ndim == 2 and (axes := rows.split(x.shape[0], (row, col), rows_over)):
-    return rows.on_row_shards(lambda v, offset, over: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
-                                                             **extra, **_on_rows(kernel, offset, over)), x, axes)
+    return rows.on_row_shards(lambda v, where: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
+                                                      **extra, **_on_rows(kernel, v, where)), x, axes)
   return kernel(x, row, col, row_keys, col_keys, interpret=interpret, **extra)
 
 
-def _on_rows(kernel: Callable, offset: jax.Array, over: tuple[str, ...]) -> dict:
-  """A dual-view kernel's keywords for a launch on a block of x's rows (`rows`): its SR counters' offset, and
-  for a kernel with a tensor amax the mesh axes to take it over."""
-  return {"counter_offset": offset, **({"amax_over": over} if kernel is nvfp4.views else {})}
+def _on_rows(kernel: Callable, v: jax.Array, where: rows.Rows) -> dict:
+  """A dual-view kernel's keywords for a launch on the block `v` of x's rows: its SR counters' offset (the
+  flat index of v's first element in x), and for a kernel with a tensor amax the mesh axes to take it over."""
+  return {"counter_offset": where.element_offset(v.shape[1]),
+          **({"amax_over": where.over} if kernel is nvfp4.views else {})}
 
 
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, interpret: bool,
@@ -91,8 +93,7 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
   if kernel is not None and x.ndim == 2:
     try:
       if axes := rows.split(x.shape[0], (spec,), rows_over):
-        launch = lambda v, offset, over: (_one_view(kernel, v, spec, axis % 2, keys, interpret,
-                                                    _on_rows(kernel, offset, over)),)
+        launch = lambda v, where: (_one_view(kernel, v, spec, axis % 2, keys, interpret, _on_rows(kernel, v, where)),)
         return rows.on_row_shards(launch, x, axes)[0]
       return _one_view(kernel, x, spec, axis % 2, keys, interpret)
     except NotImplementedError:
@@ -102,6 +103,9 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
   if x.ndim != 2:
     return kernel(x, spec, axis, keys, interpret=interpret)
+  if axes := rows.split(x.shape[0], (spec,), rows_over):
+    launch = lambda v, where: (_eden_on_rows(kernel, v, spec, axis % 2, keys, interpret, where),)
+    return rows.on_row_shards(launch, x, axes)[0]
   return _view(lambda v: kernel(v, spec, 1, keys, interpret=interpret),
                lambda v: kernel(v, spec, 0, keys, interpret=interpret), x, spec, axis % 2)
 
@@ -136,6 +140,21 @@ def _view(row_view: Callable[[jax.Array], QTensor], column_view: Callable[[jax.A
   if spec.rounding == "eden" or (spec.transform is None and not ROUNDINGS[spec.rounding].random):
     return _transposed(_along_k(row_view, x.T, spec), x.shape)
   return column_view(x)
+
+
+def _eden_on_rows(kernel: Callable, v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys,
+                  interpret: bool, where: rows.Rows) -> QTensor:
+  """MS-EDEN's view of the block `v` [r, C] of x's rows along `axis`, as `_view` launches it on x, with the
+  whole x's bits: its scale draws are keyed by the block's index in x's K-major scales, and its amax is x's.
+  Along K (on the canonical layout) those indices run on from the rows before; along M, as v^T's row view,
+  each row of v^T's scales lies in a row of x^T's, `total / 16` apart (v^T stays unreshaped for that)."""
+  if axis == 1:
+    offset = where.first * jnp.uint32(v.shape[1] // 16)  # the scales of the rows before: 16 elements per scale
+    return _along_k(lambda u: kernel(u, spec, 1, keys, interpret=interpret, counter_offset=offset,
+                                     amax_over=where.over), v, spec)
+  q = kernel(v.T, spec, 1, keys, interpret=interpret, counter_offset=where.first // jnp.uint32(16),
+             scales_per_row=where.total // 16, amax_over=where.over)
+  return _transposed(q, v.shape)
 
 
 def _transposed(q: QTensor, shape: tuple[int, int]) -> QTensor:

@@ -147,6 +147,14 @@ def _bits_to_amax(m: jax.Array) -> jax.Array:
   return jnp.where(m >= _BF16_INF, jnp.nan, val)
 
 
+def over_devices(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """The largest of the devices' amaxes (>= 0, or NaN), NaN where any is, inside a shard_map over `axes`: taken
+  over their float32 bits as int32, which order as the values and put NaN above inf (a float `pmax` dropped
+  NaN on XLA:CPU)."""
+  bits = jax.lax.bitcast_convert_type(jnp.abs(amax), jnp.int32)
+  return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
+
+
 def bf16_amax(x: jax.Array) -> jax.Array:
   """max |x| of a bf16 array as float32 (NaN if anything is non-finite): `reference._amax`, one reduction."""
   return _bits_to_amax(jnp.max(_bf16_abs_bits(x)))

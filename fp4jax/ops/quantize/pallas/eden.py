@@ -64,9 +64,9 @@ DTYPES = (jnp.bfloat16, jnp.float32)
 BLOCK_C = (64, 32, 16)
 
 _E4M3_NAN = 0x7F
-# Parameter words handed to every program: [scale-SR seed k0, k1, sign words 0..3, s_dec bits, unused].
+# Parameter words handed to every program: [scale-SR seed k0, k1, sign words 0..3, s_dec bits, counter offset].
 _N_PARAMS = 8
-_WORDS_SLOT, _S_DEC_SLOT = 2, 6
+_WORDS_SLOT, _S_DEC_SLOT, _OFFSET_SLOT = 2, 6, 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,8 @@ class EdenConfig:
   axis: the quantized axis of x (0: the column view, written K-major [C, R]; 1: the row view).
   block_c: positions of the non-quantized axis per program; num_warps: warps per program.
   targets: also return t, the corrected scale before its SR (float32, the scales' layout): for tests.
+  offset, scales_per_row: where x is a block of a larger array (`operand`'s counter_offset): the scale draws'
+  counters start at the offset parameter word, their rows `scales_per_row` apart (None: x's own).
   """
 
   axis: int = 0
@@ -84,6 +86,8 @@ class EdenConfig:
   num_warps: int = 4
   targets: bool = False
   interpret: bool = False
+  offset: bool = False
+  scales_per_row: int | None = None
 
 
 def check(x: jax.Array, spec: OperandSpec, axis: int) -> None:
@@ -133,7 +137,8 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   k0, k1 = p_ref[0], p_ref[1]
   col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (pl.program_id(1) * cols).astype(jnp.uint32)
   blk = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 0) + (pl.program_id(0) * nb).astype(jnp.uint32)
-  u24 = prng.hash_bits(k0, k1, col * jnp.uint32(scales_per_row) + blk) >> 8
+  counter = col * jnp.uint32(cfg.scales_per_row or scales_per_row) + blk
+  u24 = prng.hash_bits(k0, k1, counter + p_ref[_OFFSET_SLOT] if cfg.offset else counter) >> 8
   u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
   scale = jnp.where(bad, _E4M3_NAN, e4m3_sr_bytes(t, u))
   code = jnp.where(bad, 0, code | sign).reshape(rows // 2, 2, cols)
@@ -190,7 +195,8 @@ def _block_c(other: int, block_c: int) -> int:
 
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
             tensor_amax: jax.Array | None = None, block_c: int = 16, num_warps: int = 4, targets: bool = False,
-            interpret: bool = False):
+            interpret: bool = False, counter_offset: jax.Array | None = None, scales_per_row: int | None = None,
+            amax_over: tuple[str, ...] = ()):
   """MS-EDEN NVFP4 of a 2-D x along `axis`, rotated first by `spec.transform` (None: no rotation), in two
   Pallas launches (the rotated amax, then the quantizer).
 
@@ -199,6 +205,9 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
   `tensor_amax` (the amax of the *rotated* x) skips the first launch. `targets=True` also returns t (float32
   [other, length/16]), the corrected scales before their SR. Raises NotImplementedError where `check` does;
   `interpret=True` runs both kernels in Pallas interpret mode (CPU).
+  Where x is a block of a larger array (`pallas.rows`, inside a shard_map): the scale draws' counters are the
+  larger array's, `counter_offset` (uint32) plus x's own with its K-major rows `scales_per_row` apart (None:
+  x's), and the amax is taken over the mesh axes `amax_over`.
   """
   check(x, spec, axis)
   axis %= 2
@@ -209,15 +218,21 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
     raise ValueError(f"random-sign {transform=} needs a transform key")
   other = x.shape[1 - axis]
   cfg = EdenConfig(axis=axis, transform=transform, block_c=_block_c(other, block_c), num_warps=num_warps,
-                   targets=targets, interpret=interpret)
+                   targets=targets, interpret=interpret, offset=counter_offset is not None,
+                   scales_per_row=scales_per_row)
   words = sign_words(transform, transform_key)
   if tensor_amax is None:
     amax = amax_lib.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret, words=words)
   else:
     amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
+  if amax_over and tensor_amax is None:
+    amax = amax_lib.over_devices(amax, amax_over)
   s_dec = reference.eden_decode_scale(amax)
+  # Built inside the concatenate, as the zero word always was: an unsplit launch's program stays the same.
+  offset = lambda: (jnp.zeros((1,), jnp.uint32) if counter_offset is None else
+                    jnp.asarray(counter_offset, jnp.uint32).reshape(1))
   params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)), words,
-                            jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], jnp.zeros((1,), jnp.uint32)])
+                            jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], offset()])
   # To the K-major layout: [other / bc, n, bc] -> [other, n].
   codes, scales, *t = (a.transpose(0, 2, 1).reshape(other, -1) for a in _eden_call(x, params, cfg))
   outer = jnp.where(jnp.isfinite(s_dec), s_dec, jnp.nan)

@@ -315,13 +315,6 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
                                values=cfg.values)
 
 
-def _amax_over(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """The largest of the devices' amaxes (>= 0, or NaN), NaN where any is: taken over their float32 bits as
-  int32, which order as the values and put NaN above inf (a float `pmax` dropped NaN on XLA:CPU)."""
-  bits = jax.lax.bitcast_convert_type(jnp.abs(amax), jnp.int32)
-  return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, axes), jnp.float32)
-
-
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
   """uint32 [2] SR seed words of one view (zeros for RNE, which draws nothing)."""
   if rounding != "sr":
@@ -422,7 +415,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
       row_amax = col_amax = (amax_lib.bf16_amax(x) if tensor_amax is None else
                              jnp.asarray(tensor_amax, jnp.float32).reshape(()))
     if amax_over and tensor_amax is None:  # the whole array's
-      row_amax, col_amax = (_amax_over(a, amax_over) for a in (row_amax, col_amax))
+      row_amax, col_amax = (amax_lib.over_devices(a, amax_over) for a in (row_amax, col_amax))
   else:
     row_amax, col_amax = amax_lib.tile_amaxes(x, tile_rows)  # [M], [K]
   (prow, pcol), (row_outer, col_outer) = params.view_params((row_amax, col_amax), (row.rounding, col.rounding),

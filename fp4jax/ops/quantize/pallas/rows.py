@@ -9,8 +9,10 @@ amax: MXFP4's E8M0 block scales, NVFP4's 1x16 blocks and 16x16 tiles, and their 
 blocks (16 or 32 rows), which a block of rows holds whole when its row count is a multiple of 32; NVFP4's
 tensor amax (of x, or of its rotated column view) is taken over every device (`amax_over`, a `pmax`). The SR
 draws, keyed by the element's flat index in the whole array, are offset by the block's first index (the
-kernels' `counter_offset`). Other recipes (tile-local NVFP4, MS-EDEN) keep the gathered whole-array launch:
-the same numbers, without the speed.
+kernels' `counter_offset`). MS-EDEN (quartet2's backward) splits too, in blocks of 128 rows (its groups and
+RHT128 blocks along M): its amax is taken over the devices, and its scale draws, keyed by the block's index in
+the whole array's K-major scales, get that array's offset and row stride. Tile-local NVFP4 (a per-row outer
+factor) keeps the gathered whole-array launch: the same numbers, without the speed.
 
 The split comes from the mesh in context (`jax.set_mesh`): the named axes that are neither manual (inside a
 shard_map over them already) nor of size 1. Outside a mesh, or where the rows do not split into whole blocks
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +32,10 @@ from jax.sharding import PartitionSpec as P
 from fp4jax.numerics.qtensor import Quantized, ScaledValues
 from fp4jax.numerics.spec import OperandSpec
 
-# Formats whose kernels take a counter offset (and an amax over devices) and keep no state across 32-row blocks.
+# Formats whose kernels take a counter offset (and an amax over devices) and keep no state across blocks of rows.
 FORMATS = ("mxfp4", "nvfp4", "nvfp4_46")
 ROW_BLOCK = 32  # every device's rows: a whole number of column-view blocks, 2-D tiles and Hadamard blocks
+GROUP_ROWS = 128  # ... and of MS-EDEN's groups (and RHT128 blocks) along them
 
 
 def split(rows: int, specs: Sequence[OperandSpec], axes: Sequence[str]) -> tuple[str, ...]:
@@ -43,9 +46,23 @@ def split(rows: int, specs: Sequence[OperandSpec], axes: Sequence[str]) -> tuple
     return ()
   names = tuple(a for a in axes if a in mesh.axis_names and a not in mesh.manual_axes and mesh.shape[a] > 1)
   n = math.prod(mesh.shape[a] for a in names)
-  if n == 1 or rows % (n * ROW_BLOCK):
+  block = GROUP_ROWS if any(s.rounding == "eden" for s in specs) else ROW_BLOCK
+  if n == 1 or rows % (n * block):
     return ()
   return names
+
+
+class Rows(NamedTuple):
+  """Where a launch's rows lie in the whole x: `first` (uint32, traced: the device's first row), `total` (x's
+  row count) and `over` (the mesh axes to take a tensor amax over)."""
+
+  first: jax.Array
+  total: int
+  over: tuple[str, ...]
+
+  def element_offset(self, cols: int) -> jax.Array:
+    """The flat index in x of the rows' first element (uint32: counters wrap at 2^32, and so does this)."""
+    return self.first * jnp.uint32(cols % 2**32)
 
 
 def _row_dim(view: Quantized) -> int:
@@ -64,16 +81,15 @@ def _specs(view: Quantized, axes: tuple[str, ...]) -> list[P]:
           for a in jax.tree.leaves(view)]
 
 
-def on_row_shards(launch: Callable[[jax.Array, jax.Array, tuple[str, ...]], Sequence[Quantized]], x: jax.Array,
+def on_row_shards(launch: Callable[[jax.Array, Rows], Sequence[Quantized]], x: jax.Array,
                   axes: tuple[str, ...]) -> tuple[Quantized, ...]:
-  """launch(x's rows on this device, their first element's flat index in x as uint32, the axes to take a
-  tensor amax over) on every device of `axes` (`split`); its views (QTensor or ScaledValues, each with at most
-  a scalar outer factor) are reassembled into those of the whole x [R, C]."""
+  """launch(x's rows on this device, `Rows`: where they lie in x) on every device of `axes` (`split`); its
+  views (QTensor or ScaledValues, each with at most a scalar outer factor) are reassembled into those of the
+  whole x [R, C]."""
   rows, cols = x.shape
   n = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
-  per_device = (rows // n) * cols % 2**32  # counters wrap at 2^32, and so does their offset
   # The views' structure, from an abstract launch without collectives: what the shard_map's outputs will be.
-  local_views = jax.eval_shape(lambda v: tuple(launch(v, jnp.uint32(0), ())),
+  local_views = jax.eval_shape(lambda v: tuple(launch(v, Rows(jnp.uint32(0), rows, ()))),
                                jax.ShapeDtypeStruct((rows // n, cols), x.dtype))
   for q in local_views:
     if q.outer is not None and q.outer.ndim:
@@ -81,8 +97,8 @@ def on_row_shards(launch: Callable[[jax.Array, jax.Array, tuple[str, ...]], Sequ
   leaves, treedef = jax.tree.flatten(local_views)
 
   def local(x_rows):
-    offset = jax.lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(per_device)
-    return jax.tree.leaves(tuple(launch(x_rows, offset, axes)))
+    first = jax.lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(rows // n)
+    return jax.tree.leaves(tuple(launch(x_rows, Rows(first, rows, axes))))
 
   out_specs = [spec for q in local_views for spec in _specs(q, axes)]
   # check_vma off: Pallas states its outputs without the varying axes that checking asks of them.
