@@ -649,11 +649,15 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   route whose loss goes non-finite gets a row with that status (not "ok"); compare mode then goes on to the next
   route, and the caller decides the exit status from the rows. A route already finished in its out_dir with the
   same settings is not trained again: its saved result.json row is reported. The config is checked in full first,
-  then out_dir is locked for the whole call (`train.lock.RunLock`).
+  then out_dir, and in compare mode each route's out_dir/<route> (which a single-route run may name), is locked
+  for the whole call (`train.lock.RunLock`).
   """
   log = sys.stderr if log is None else log
   preflight(cfg)
-  with lock.RunLock(cfg.run.out_dir, log=log) if jax.process_index() == 0 else contextlib.nullcontext():
+  with contextlib.ExitStack() as held:
+    if jax.process_index() == 0:
+      for out_dir in dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in route_configs(cfg)]):
+        held.enter_context(lock.RunLock(out_dir, log=log))
     for _, sub in route_configs(cfg):  # under the lock: what a running job writes there is not yet final
       check_out_dir(sub)
     return _run_routes(cfg, log)

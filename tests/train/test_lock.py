@@ -48,3 +48,14 @@ def test_cli_refuses_a_busy_out_dir_at_once(tmp_path, capsys, monkeypatch):
         EXIT_USER_ERROR
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "is in use by another run (pid" in err, err
+
+
+def test_compare_mode_also_holds_each_routes_directory(tmp_path, capsys, monkeypatch):
+  """Compare mode trains into out_dir/<route>, which a single-route run may name as its own out_dir: a run
+  there holds it, so the compare run is refused at once (both trained into it side by side before)."""
+  monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("trained into a busy route directory"))
+  with lock.RunLock(str(tmp_path / "run" / "mxfp4")):
+    assert main(["--config", "configs/cpu_compare.yaml", "--set", f"run.out_dir={tmp_path / 'run'}"]) == \
+        EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip()
+  assert f"{tmp_path / 'run' / 'mxfp4'} is in use by another run" in err, err
