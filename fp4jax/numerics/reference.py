@@ -56,7 +56,8 @@ from fp4jax.numerics import current_scaling, ieee, prng
 from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr, e4m3_rn, e4m3_sr
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, MX_E_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
-from fp4jax.numerics.spec import EDEN_GROUP, ROUNDINGS, SCALE_RULES, default_scale_rule
+from fp4jax.numerics.quantize_args import Cfg as _Cfg, check as _check
+from fp4jax.numerics.spec import EDEN_GROUP
 
 _E8M0_NAN = 0xFF
 _E4M3_NAN = 0x7F
@@ -85,18 +86,6 @@ def _tree_sum(a: jax.Array, axis: int) -> jax.Array:
 
 
 # Scale units (a 1-D block of `spec.block` elements, or a block x block tile), per-format scale methods.
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-  """The static options of one quantize call, after validation and defaults."""
-  spec: FormatSpec
-  axis: int  # non-negative, in the original array
-  rounding: str
-  scale_rule: str | None
-  tile_2d: bool
-  clip_fraction: float | None
-  tile_rows: int
-
-
 class _Result(NamedTuple):
   codes: jax.Array  # uint8 [..., nb, B], unpacked
   scales: jax.Array  # [..., nb]
@@ -319,64 +308,6 @@ def _quantize_eden(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
 
 _METHODS: dict[str, Callable[..., _Result]] = {"e8m0": _quantize_mx, "e4m3": _quantize_nv, "eden": _quantize_eden}
 _NAN_SCALE_BITS = {"e8m0": _E8M0_NAN, "e4m3": _E4M3_NAN}
-
-
-def _check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows,
-           tensor_amax) -> _Cfg:
-  """Validates a quantize call and fills in defaults."""
-  if not isinstance(x, (jax.Array, np.ndarray)):
-    raise TypeError(f"quantize takes an array, got a {type(x).__name__} (wrap it in jnp.asarray)")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantize needs a floating-point input, got {x.dtype=}")
-  if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-    raise TypeError(f"quantize's axis must be an int, got {axis!r}")
-  if rounding not in ROUNDINGS:
-    raise ValueError(f"unknown {rounding=}; valid roundings: {tuple(ROUNDINGS)}")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"{axis=} is out of range for an input of {x.shape=}")
-  if not isinstance(tile_2d, (bool, np.bool_)):  # a truthy string would silently mean 2-D tiles
-    raise TypeError(f"quantize's tile_2d takes True or False, got {tile_2d!r}")
-  if tensor_amax is not None and np.size(tensor_amax) != 1:
-    raise ValueError(f"tensor_amax is one value (the tensor's max |x|), got shape {np.shape(tensor_amax)}")
-  axis %= x.ndim
-  n, block = x.shape[axis], spec.block
-  if n % block:
-    raise ValueError(f"quantized axis length {n=} (x.shape={x.shape}, {axis=}) must be a multiple of the "
-                     f"{spec.name} {block=}")
-  if ROUNDINGS[rounding].random:
-    prng.check_key(key, f"quantize's {rounding=}")
-  if rounding == "eden":
-    if spec.name != "nvfp4":
-      raise ValueError(f"rounding='eden' (MS-EDEN) needs fmt='nvfp4', got fmt={spec.name!r}")
-    if tile_2d:
-      raise ValueError("rounding='eden' works on 1-D blocks only; tile_2d=True is not supported")
-    if n % EDEN_GROUP:
-      raise ValueError(f"rounding='eden' corrects scales per {EDEN_GROUP}-element group: {n=} must be a "
-                       f"multiple of {EDEN_GROUP}")
-  if tile_2d:
-    if x.ndim != 2:
-      raise ValueError(f"tile_2d needs a 2-D input, got {x.shape=}")
-    m = x.shape[1 - axis]
-    if m % block:
-      raise ValueError(f"tile_2d: the other axis {m=} (x.shape={x.shape}) must be a multiple of the "
-                       f"{block}x{block} tile")
-  if spec.scale == "e8m0":
-    if scale_rule is None:
-      scale_rule = default_scale_rule(rounding, tile_2d)
-    if scale_rule not in SCALE_RULES:
-      raise ValueError(f"unknown {scale_rule=}; valid rules: {SCALE_RULES}")
-    if tensor_amax is not None:
-      raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
-  else:
-    if scale_rule is not None or clip_fraction is not None:
-      raise ValueError(f"{scale_rule=} and {clip_fraction=} apply to mxfp4 only, not fmt={spec.name!r}")
-    if tensor_amax is not None and spec.outer != "tensor":
-      raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
-  if clip_fraction is not None and not 0 < clip_fraction <= 1:
-    raise ValueError(f"{clip_fraction=} must lie in (0, 1]")
-  if tile_rows < 1:
-    raise ValueError(f"{tile_rows=} must be positive")
-  return _Cfg(spec, axis, rounding, scale_rule, bool(tile_2d), clip_fraction, int(tile_rows))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "axis", "rounding", "scale_rule", "tile_2d",
