@@ -212,8 +212,9 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
   below 2 (with one thread the kernels would compile one after the other, as in the program).
 
   The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
-  launch that fails to compile alone (e.g. one inside `shard_map`, whose operands vary over mesh axes) is left to
-  the program (`Report.failed`).
+  launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a
+  `shard_map`, whose operands vary over mesh axes, which on a mesh of several GPUs every X and dY quantizer is
+  (`ops.quantize.pallas.rows`; not yet tried on such a mesh).
   directory: where the kernel files are kept. None: a temporary directory, deleted on exit. A directory that
   persists (beside JAX's persistent compilation cache: `platform.kernel_cache_dir`) keeps the program's kernel
   file, named by its kernels: a later compile of a program with the same kernels takes that file and compiles

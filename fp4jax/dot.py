@@ -138,7 +138,11 @@ def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:
   rule, and XLA's partitioner places them as under an Auto mesh. The result has x's sharding along its leading
   dims and w's along N."""
   spec = lambda a: tuple(jax.typeof(a).sharding.spec) + (None,) * a.ndim
-  out = jax.sharding.PartitionSpec(*spec(x)[:x.ndim - 1], spec(w)[1])
+  lead = spec(x)[:x.ndim - 1]
+  taken = {a for s in lead if s is not None for a in ((s,) if isinstance(s, str) else s)}
+  n_axes = spec(w)[1]  # N keeps w's axes but those x's leading dims use (FSDP: one axis splits both)
+  n_axes = tuple(a for a in ((n_axes,) if isinstance(n_axes, str) else n_axes or ()) if a not in taken) or None
+  out = jax.sharding.PartitionSpec(*lead, n_axes)
   run = lambda x, w, key: fp4_dot(x, w, route=route, key=key, impl=impl, out_dtype=out_dtype)
   return jax.sharding.auto_axes(run, out_sharding=out)(x, w, key)
 

@@ -47,6 +47,8 @@ class Impl:
     axes = self.token_axes
     if axes != "auto" and not (isinstance(axes, tuple) and all(isinstance(a, str) for a in axes)):
       raise ValueError(f"Impl's token_axes takes 'auto' or a tuple of mesh-axis names, got {axes!r}")
+    if axes != "auto" and len(set(axes)) != len(axes):
+      raise ValueError(f"Impl's token_axes names an axis twice: {axes!r}")
 
   def resolved(self) -> Impl:
     """This choice with "auto" quantizing resolved for the current default backend and "auto" token axes for
@@ -56,7 +58,9 @@ class Impl:
     if quantizer == "pallas" and quantize_api.resolve("auto") != "pallas":
       raise ValueError("Impl(quantizer='pallas') compiles the Pallas kernels for a GPU, but JAX's default "
                        "backend is not one: use 'auto', 'xla' or 'interpret'")
-    axes = self.token_axes
+    axes, mesh = self.token_axes, jax.sharding.get_abstract_mesh()
     if axes == "auto":
-      axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+      axes = tuple(mesh.axis_names)
+    elif not mesh.empty and (unknown := [a for a in axes if a not in mesh.axis_names]):
+      raise ValueError(f"Impl's token_axes {unknown} are no axes of the mesh in context {mesh.axis_names}")
     return dataclasses.replace(self, quantizer=quantizer, token_axes=axes)

@@ -377,6 +377,13 @@ def test_impl_choices_and_errors():
   with pytest.raises(ValueError, match="GEMM backend 'native' does not support"):
     fp4_dot(x, w, route=routes.Route("mx_nv", fprop_x=routes.OperandSpec("mxfp4"),
                                      fprop_w=routes.OperandSpec("nvfp4")), impl=Impl(gemm="native"))
+  with pytest.raises(ValueError, match="token_axes takes 'auto' or a tuple of mesh-axis names"):
+    Impl(token_axes="data")
+  with pytest.raises(ValueError, match="token_axes names an axis twice"):
+    Impl(token_axes=("data", "data"))
+  with jax.set_mesh(jax.make_mesh((1,), ("data",))):  # a misspelt axis would quietly gather the kernels' inputs
+    with pytest.raises(ValueError, match=r"token_axes \['dta'\] are no axes of the mesh in context"):
+      fp4_dot(x, w, route="mxfp4_rtn", impl=Impl(token_axes=("dta",)))
 
 
 @pytest.mark.parametrize("key", [0, jnp.zeros(2), jnp.zeros(2, jnp.int32), jax.random.split(jax.random.key(0)),
@@ -514,6 +521,11 @@ for route in ("mxfp4", "nvfp4", "quartet2", "fp8"):
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     got = f(xs, w)
     assert jax.typeof(got[1][0]).sharding.spec[0] == "data", jax.typeof(got[1][0]).sharding
+    # FSDP's layout: one axis splits both the batch and w's N (the output keeps it on the batch only)
+    again = f(xs, jax.device_put(w, NamedSharding(mesh, P(None, "data"))))
+  for g, e in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(got)):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=1e-2,
+                               atol=1e-2 * float(jnp.abs(e.astype(jnp.float32)).max()), err_msg=route)
   # dW: two bf16 partial sums added (the device split of the tokens) where one device rounds once.
   for g, e, tol in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), (1e-5, 1e-5, 1e-2)):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=tol,

@@ -212,9 +212,13 @@ class RunConfig:
 class KernelConfig:
   """How fp4_dot runs (`fp4jax.Impl`; the numbers do not depend on it). `quantizer`: "auto" (the fused Pallas
   kernels on GPUs, XLA elsewhere), "pallas", "interpret" (Pallas interpret mode, slow: tests) or "xla" (XLA's
-  reference quantizers, e.g. to measure what the kernels buy). `gemm`: "auto", "emulated", "fp8", "native"."""
+  reference quantizers, e.g. to measure what the kernels buy). `gemm`: "auto", "emulated", "fp8", "native".
+  `split_tokens`: on a mesh of several devices each quantizes its own tokens with the kernels (`Impl.token_axes`
+  "auto": the run's ("data", "fsdp") axes both split the batch), the whole batch's bits either way; false
+  gathers the kernels' inputs as XLA partitions a kernel (it is new, and has not yet run on several GPUs)."""
   quantizer: str = "auto"
   gemm: str = "auto"
+  split_tokens: bool = True
 
   def __post_init__(self):
     from fp4jax.ops import gemm, quantize  # pylint: disable=g-import-not-at-top
@@ -225,7 +229,7 @@ class KernelConfig:
   def impl(self):
     """The `fp4jax.Impl` these settings name."""
     from fp4jax import Impl  # pylint: disable=g-import-not-at-top
-    return Impl(quantizer=self.quantizer, gemm=self.gemm)
+    return Impl(quantizer=self.quantizer, gemm=self.gemm, token_axes="auto" if self.split_tokens else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +426,7 @@ def _deepcopy(x: Any) -> Any:
 # left to the callers (train.check_out_dir: it sets the learning-rate schedule; the study: it is the token budget).
 RESULT_NEUTRAL = {"run": {"steps", "eval_every", "log_every", "ckpt_every", "out_dir", "resume", "routes", "mesh",
                           "progress", "compile_cache", "kernels_first"},
-                  "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm"}}
+                  "data": {"workers", "cache_dir"}, "kernels": {"quantizer", "gemm", "split_tokens"}}
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral: dict[str, set[str]] | None = None

@@ -21,6 +21,7 @@ import lzma
 import multiprocessing
 import os
 import re
+import socket
 import sys
 import sysconfig
 import time
@@ -208,7 +209,7 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   total_bytes = sum(os.path.getsize(f) for f in files)
   t0, n_tokens, done_bytes, shown = time.time(), 0, 0, 0.0
   _remove_stale_temporaries(bin_path, log)
-  tmp = f"{bin_path}.tmp{os.getpid()}"
+  tmp = f"{_temporaries(bin_path)}{os.getpid()}"
   try:
     with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
       for i, arr in enumerate(results):
@@ -242,11 +243,19 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
 
 
+def _temporaries(bin_path: str) -> str:
+  """The name of this host's partial token files for `bin_path`, but for the writer's pid: a pid names a
+  process on its own host only, and a cache directory may be shared by the hosts of a multi-host run."""
+  return f"{bin_path}.tmp-{socket.gethostname()}-"
+
+
 def _remove_stale_temporaries(bin_path: str, log) -> None:
-  """Deletes the partial token files `{bin_path}.tmp<pid>` of tokenizing processes that are gone: a process
-  killed outright (SIGTERM's or SIGKILL's default action) cannot remove its own. A live process's is kept."""
-  for path in glob.glob(glob.escape(bin_path) + ".tmp*"):
-    pid = path.rsplit(".tmp", 1)[1]
+  """Deletes this host's partial token files of `bin_path` whose tokenizing process is gone: a process killed
+  outright (SIGTERM's or SIGKILL's default action) cannot remove its own. A live process's is kept, and so is
+  every other host's."""
+  prefix = _temporaries(bin_path)
+  for path in glob.glob(glob.escape(prefix) + "*"):
+    pid = path[len(prefix):]
     if not pid.isdigit() or int(pid) == os.getpid():
       continue
     try:

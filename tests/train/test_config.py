@@ -145,6 +145,11 @@ def test_documented_words_and_home_paths_are_read_as_meant():
   assert cfg.run.out_dir == os.path.expanduser("~/runs/x") and cfg.data.cache_dir == os.path.expanduser("~/tok")
 
 
+def test_kernels_split_tokens_names_the_token_axes():
+  assert config.load_config(None).kernels.impl().token_axes == "auto"
+  assert config.load_config(None, ["kernels.split_tokens=false"]).kernels.impl().token_axes == ()
+
+
 def test_route_override_in_compare_mode_is_an_error():
   """--set route=X with a config that runs run.routes would train those routes and ignore X silently."""
   with pytest.raises(config.ConfigError, match=r"--set route=... is not read in compare mode.*run.routes=\[nvfp4\]"):

@@ -7,6 +7,7 @@ import lzma
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -222,19 +223,20 @@ def test_load_splits_with_eval_file(tmp_path):
 
 
 def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):
-  """A tokenizing process killed outright (SIGTERM's default action) leaves its `.bin.tmp<pid>`; the next build
-  of that cache deletes it, and leaves a live process's alone."""
+  """A tokenizing process killed outright (SIGTERM's default action) leaves its `.bin.tmp-<host>-<pid>`; the
+  next build of that cache on the same host deletes it, and leaves a live process's and another host's alone."""
   files = _corpus(tmp_path)
   cache = tmp_path / "cache"
   data.build_token_cache(files, "byte", "", str(cache), log=None)
   bin_path = next(cache.glob("*.bin"))
   gone = subprocess.Popen([sys.executable, "-c", "pass"])
   gone.wait()
-  stale, live = (pathlib.Path(f"{bin_path}.tmp{pid}") for pid in (gone.pid, os.getppid()))
-  for p in (stale, live):
+  stale, live = (pathlib.Path(f"{bin_path}.tmp-{socket.gethostname()}-{pid}") for pid in (gone.pid, os.getppid()))
+  elsewhere = pathlib.Path(f"{bin_path}.tmp-another-host-{gone.pid}")  # a pid there says nothing here
+  for p in (stale, live, elsewhere):
     p.write_bytes(b"partial")
   for p in cache.iterdir():  # a rebuild: the cached tokens are gone
     if p.suffix in (".bin", ".json"):
       p.unlink()
   data.build_token_cache(files, "byte", "", str(cache), log=None)
-  assert not stale.exists() and live.exists()
+  assert not stale.exists() and live.exists() and elsewhere.exists()
