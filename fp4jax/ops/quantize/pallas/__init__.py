@@ -5,6 +5,8 @@
 single-view kernel by rounding (`OPERAND_KERNELS`). Every kernel raises NotImplementedError for a case it does
 not cover, so `ops.quantize.api` can fall back to the XLA reference. One file per kernel family (`mxfp4`,
 `nvfp4`, `eden`, the amax pre-passes in `amax`, the FP8 re-encoding in `fp8`), their shared helpers in `common`.
+Given `rows_over` (mesh axes splitting x's rows: fp4_dot's tokens), both run each launch on every device's own
+rows inside a shard_map, with the whole array's bits (`rows`; `_on_rows`, `_eden_on_rows`).
 
 One view, one Triton IR. A Pallas kernel's Triton IR holds its operand's extents and strides as constants, so
 every operand shape used to be its own IR (quartet2's 30M step: six 4/6 kernels, eleven MS-EDEN quantizers,
