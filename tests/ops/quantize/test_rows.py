@@ -89,6 +89,8 @@ for axis in (1, 0):
   out[f"eden+rht128 along {'KM'[1 - axis]}"] = compare(
       lambda x, axes: leaves([api.quantize_operand(x, eden, axis, sr, implementation="interpret", rows_over=axes)]),
       (tall, tall.at[700, 3].set(jnp.inf)))
+out["eden+rht128 along K, 32 rows each"] = compare(  # groups along K: any whole number of 32 rows splits
+    lambda x, axes: leaves([api.quantize_operand(x, eden, 1, sr, implementation="interpret", rows_over=axes)]))
 # Not split: tile-local NVFP4 (per-row outer factors), and rows that do not make whole 32-row blocks on every
 # device.
 with jax.set_mesh(mesh):

@@ -105,7 +105,7 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
     raise NotImplementedError(f"no Pallas kernel for {spec} along {axis=}")
   if x.ndim != 2:
     return kernel(x, spec, axis, keys, interpret=interpret)
-  if axes := rows.split(x.shape[0], (spec,), rows_over):
+  if axes := rows.split(x.shape[0], (spec,), rows_over, along_rows=axis % 2 == 0):
     launch = lambda v, where: (_eden_on_rows(kernel, v, spec, axis % 2, keys, interpret, where),)
     return rows.on_row_shards(launch, x, axes)[0]
   return _view(lambda v: kernel(v, spec, 1, keys, interpret=interpret),

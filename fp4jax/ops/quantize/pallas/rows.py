@@ -1,18 +1,18 @@
 """Quantizing an array whose rows are split over a device mesh: each device runs the kernel on its own rows.
 
 A Pallas kernel is an opaque custom call to XLA's SPMD partitioner, which therefore gathers its whole input on
-every device and runs it there: under data parallelism every GPU would quantize, and then multiply, every
-token of the batch (a 2-GPU fp4_dot compiled for H200s held an all-gather of x and GEMMs over all its rows).
-`on_row_shards` runs the launch inside `jax.shard_map` instead, on each device's block of rows, and gives the
-bits of the whole array. The formats of `FORMATS` keep no state across blocks of 32 rows but a per-tensor
-amax: MXFP4's E8M0 block scales, NVFP4's 1x16 blocks and 16x16 tiles, and their column-view and Hadamard
-blocks (16 or 32 rows), which a block of rows holds whole when its row count is a multiple of 32; NVFP4's
-tensor amax (of x, or of its rotated column view) is taken over every device (`amax_over`, a `pmax`). The SR
-draws, keyed by the element's flat index in the whole array, are offset by the block's first index (the
-kernels' `counter_offset`). MS-EDEN (quartet2's backward) splits too, in blocks of 128 rows (its groups and
-RHT128 blocks along M): its amax is taken over the devices, and its scale draws, keyed by the block's index in
-the whole array's K-major scales, get that array's offset and row stride. Tile-local NVFP4 (a per-row outer
-factor) keeps the gathered whole-array launch: the same numbers, without the speed.
+every device and runs it there: under data parallelism every GPU would quantize, and then multiply, every token of
+the batch (a 2-GPU fp4_dot compiled for H200s held an all-gather of x and GEMMs over all its rows).
+`on_row_shards` runs the launch inside `jax.shard_map` instead, on each device's block of rows, and gives the bits
+of the whole array. The formats of `FORMATS` keep no state across blocks of 32 rows but a per-tensor amax: MXFP4's
+E8M0 block scales, NVFP4's 1x16 blocks and 16x16 tiles, and their column-view and Hadamard blocks (16 or 32 rows),
+which a block of rows holds whole when its row count is a multiple of 32; NVFP4's tensor amax (of x, or of its
+rotated column view) is taken over every device (`amax_over`, a `pmax`). The SR draws, keyed by the element's flat
+index in the whole array, are offset by the block's first index (the kernels' `counter_offset`). MS-EDEN
+(quartet2's backward) splits too, its column views in blocks of 128 rows (its groups and RHT128 blocks along M):
+its amax is taken over the devices, and its scale draws, keyed by the block's index in the whole array's K-major
+scales, get that array's offset and row stride. Tile-local NVFP4 (a per-row outer factor) keeps the gathered
+whole-array launch: the same numbers, without the speed.
 
 The split comes from the mesh in context (`jax.set_mesh`): the named axes that are neither manual (inside a
 shard_map over them already) nor of size 1. Outside a mesh, or where the rows do not split into whole blocks
@@ -38,15 +38,17 @@ ROW_BLOCK = 32  # every device's rows: a whole number of column-view blocks, 2-D
 GROUP_ROWS = 128  # ... and of MS-EDEN's groups (and RHT128 blocks) along them
 
 
-def split(rows: int, specs: Sequence[OperandSpec], axes: Sequence[str]) -> tuple[str, ...]:
+def split(rows: int, specs: Sequence[OperandSpec], axes: Sequence[str], *, along_rows: bool = True
+          ) -> tuple[str, ...]:
   """The mesh axes (of `axes`, in context) over which an array of `rows` rows is quantized block by block,
-  each device its own rows; () where it is quantized whole (module docstring)."""
+  each device its own rows; () where it is quantized whole (module docstring). `along_rows`: a view is
+  quantized along the rows (a column view), so MS-EDEN's groups run along them."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not axes or any(s.fmt not in FORMATS for s in specs):
     return ()
   names = tuple(a for a in axes if a in mesh.axis_names and a not in mesh.manual_axes and mesh.shape[a] > 1)
   n = math.prod(mesh.shape[a] for a in names)
-  block = GROUP_ROWS if any(s.rounding == "eden" for s in specs) else ROW_BLOCK
+  block = GROUP_ROWS if along_rows and any(s.rounding == "eden" for s in specs) else ROW_BLOCK
   if n == 1 or rows % (n * block):
     return ()
   return names
