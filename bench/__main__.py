@@ -9,8 +9,7 @@ from bench import args as args_lib
 from bench import compile as compile_bench
 from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
-from train.errors import check_writable_dir
-from train.main import guarded
+from train.main import enable_compilation_cache, guarded
 
 # name -> (module with add_args(parser) and run(args), help)
 SUBCOMMANDS = {
@@ -41,10 +40,7 @@ def main(argv: list[str] | None = None) -> int:
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
 
   def run():
-    cache = platform.cache_dir(args.compile_cache)
-    if cache is not None:
-      check_writable_dir(cache, "--compile-cache")
-    platform.enable_compilation_cache(cache)
+    enable_compilation_cache(args.compile_cache, "--compile-cache")
     return SUBCOMMANDS[args.command][0].run(args) or 0
   # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.
   return guarded(f"python -m bench {args.command}", False, run)

@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from train import tokenizers
+from train import lock, tokenizers
 from train.errors import UserError
 
 _OPENERS = {".gz": gzip.open, ".xz": lzma.open, ".lzma": lzma.open, ".bz2": bz2.open}
@@ -256,14 +256,7 @@ def _remove_stale_temporaries(bin_path: str, log) -> None:
   prefix = _temporaries(bin_path)
   for path in glob.glob(glob.escape(prefix) + "*"):
     pid = path[len(prefix):]
-    if not pid.isdigit() or int(pid) == os.getpid():
-      continue
-    try:
-      os.kill(int(pid), 0)
-      continue  # alive (or another user's): not ours to delete
-    except ProcessLookupError:
-      pass
-    except PermissionError:
+    if not pid.isdigit() or int(pid) == os.getpid() or lock.alive(int(pid)):
       continue
     with contextlib.suppress(OSError):
       os.remove(path)

@@ -20,7 +20,8 @@ from typing import TextIO
 from train.errors import UserError
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+  """Whether process `pid` of this host exists (one of another user's counts)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -68,7 +69,7 @@ class RunLock:
       raise UserError(f"{self.path} records a run of pid {holder.get('pid')} on host {holder.get('host')}, which "
                       f"cannot be checked from {host}; if it has ended, delete {self.path}")
     if holder.get("pid") not in (None, os.getpid()):
-      if not locked and isinstance(holder["pid"], int) and _alive(holder["pid"]):
+      if not locked and isinstance(holder["pid"], int) and alive(holder["pid"]):
         self._close()
         raise UserError(f"{os.path.dirname(self.path)} is in use by pid {holder['pid']} on {host}; wait for it "
                         f"to finish or use another run.out_dir")

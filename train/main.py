@@ -61,15 +61,22 @@ def guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
     return 128 + signal.SIGINT
 
 
+def enable_compilation_cache(setting: str, what: str) -> None:
+  """JAX's persistent compilation cache as `setting` names it (`fp4jax.platform.cache_dir`: auto, none/off or a
+  directory), train's and bench's: a directory that cannot be used is a UserError naming `what`."""
+  from fp4jax import platform
+  cache = platform.cache_dir(setting)
+  if cache is not None:
+    check_writable_dir(cache, what)
+  platform.enable_compilation_cache(cache)
+
+
 def start_jax(cfg: Config) -> types.ModuleType:
   """Imports JAX with this run's XLA flags and compilation cache (and multi-host set-up); returns the module."""
   import jax
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
-  cache = platform.cache_dir(cfg.run.compile_cache)
-  if cache is not None:
-    check_writable_dir(cache, "run.compile_cache")
-  platform.enable_compilation_cache(cache)
+  enable_compilation_cache(cfg.run.compile_cache, "run.compile_cache")
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)
   return jax

@@ -159,7 +159,6 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   return tok
 
 
-
 def check_kernels(cfg: config_lib.Config) -> None:
   """Fails with a UserError if `kernels` asks for what this JAX backend cannot run (`Impl.resolved`: the Pallas
   kernels compiled for a GPU on another backend), which fp4_dot would otherwise find only when compiling."""

@@ -74,8 +74,9 @@ class DualConfig:
 
   @property
   def needs_params(self) -> bool:
-    """Whether the kernel reads the uint32 parameter words (SR seeds, Hadamard sign mask, counter offset)."""
-    return "sr" in (self.row.rounding, self.col.rounding) or self.col.transform is not None or self.offset
+    """Whether the kernel reads the uint32 parameter words (SR seeds, Hadamard sign mask, and the counter
+    offset, which only SR reads)."""
+    return "sr" in (self.row.rounding, self.col.rounding) or self.col.transform is not None
 
 
 def _resolved(spec: OperandSpec) -> OperandSpec:
