@@ -317,7 +317,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
     if lowering_only:
-      prepared = contextlib.nullcontext((traced.lower(lowering_platforms=("cuda",)), {}, compiling.Report()))
+      prepared = contextlib.nullcontext((_lower_abstract(traced), {}, compiling.Report()))
     else:
       prepared = compiling.kernels_first(traced, **(kernels_first or {"threads": 0}))
     with prepared as (lowered, options, report):
@@ -340,6 +340,20 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
           "kernels_first": report.kernels, "kernels_first_s": report.kernel_s,
           "compiled_hlo": compiled_hlo if keep_hlo else None}
+
+
+def _lower_abstract(traced):
+  """`traced` lowered for the abstract H200 of `triton.on_abstract_h200`. Where JAX's CUDA plugin is installed,
+  the Llama steps take cuDNN's attention, whose custom call lowers only with a device: that is a one-line error
+  pointing at --xla (the plugin's deviceless H200), not JAX's AbstractMesh traceback."""
+  try:
+    return traced.lower(lowering_platforms=("cuda",))
+  except ValueError as e:
+    if "AbstractMesh cannot be used" not in str(e):
+      raise
+    raise SystemExit("bench compile --h200: this program holds a call that lowers only with a device (cuDNN's "
+                     "attention, taken where JAX's CUDA plugin is installed): add --xla to compile it for the "
+                     "plugin's deviceless H200 instead") from e
 
 
 def _line(name: str, p: dict) -> str:

@@ -3,7 +3,7 @@
 # whose python3 already has jax 0.11.2 (cuda13), flax, optax, orbax, tiktoken):
 #   OUT=/some/dir DATA=/path/with/wiki_xz_and_gpt2 scripts/gpu_bench.sh [parts...]
 # (TRAIN_ARGS adds train overrides, e.g. "--set kernels.quantizer=xla --set run.routes=[nvfp4_tile_local]";
-# COMPILE_PRESETS (30m 125m 1b) and REPEAT (2) shape the compile part)
+# COMPILE_PRESETS (30m 125m 1b), REPEAT (2) and COMPILE_PASSES (on|off) shape the compile part)
 # parts: tests verify quantize dot compile step train mesh (default: tests quantize dot train; mesh needs a
 # host of several GPUs).
 # Logs and results land in $OUT.
@@ -64,6 +64,7 @@ for part in "${parts[@]}"; do
             --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -5
         done
       done
+      [ "${COMPILE_PASSES:-on}" = off ] && continue
       log "where the 30M first call goes (one process, XLA's longest compile events)"
       timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off compile --step 30m --tokens 64x512 \
         --scan auto --passes 40 --routes bf16 nvfp4 quartet2 > "$OUT/compile_passes.log" 2>&1
