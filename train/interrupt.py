@@ -17,9 +17,20 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from typing import NoReturn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_process(status: int) -> NoReturn:
+  """`sys.exit(status)` for a command's `__main__`, with SIGINT and SIGTERM at their default action while the
+  process winds down (Orbax's background writes, JAX's exit handlers): a signal sent then ends it at once, where
+  Python's handler would raise KeyboardInterrupt inside an exit handler and print its traceback."""
+  for s in SIGNALS:
+    signal.signal(s, signal.SIG_DFL)
+  sys.exit(status)
 
 
 class Interrupted(Exception):

@@ -49,7 +49,7 @@ import subprocess
 import sys
 from typing import Any, TextIO
 
-from train import config as config_lib, main as main_lib, metrics, study_report
+from train import config as config_lib, interrupt, main as main_lib, metrics, study_report
 from train.config import ConfigError
 from train.errors import UserError
 
@@ -388,4 +388,4 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # spawned data workers import this module too; they must not train
-  sys.exit(main())
+  interrupt.exit_process(main())

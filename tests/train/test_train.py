@@ -213,6 +213,17 @@ def test_stop_request_gives_the_second_signal_its_default_action():
     assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
 
 
+def test_a_signal_while_the_command_exits_ends_it_without_a_traceback():
+  """`python -m train` and `train.study` leave through `interrupt.exit_process`: a Ctrl-C that arrives while the
+  process runs its exit handlers (here one sends it) ends the process at once, where `sys.exit` would print a
+  KeyboardInterrupt traceback from inside the handler and exit with the status."""
+  code = ("import atexit, os, signal; from train import interrupt; "
+          "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT)); interrupt.exit_process(3)")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert done.returncode == -signal.SIGINT and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+
+
 def _corpus_cfg(tmp_path, *overrides):
   corpus = tmp_path / "corpus.txt"
   corpus.write_bytes(TEXT)
