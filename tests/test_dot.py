@@ -1,10 +1,6 @@
 """fp4_dot: forward and gradients against a reference written from the formulas, unbiasedness of the
 stochastic routes, residual memory, transformations (jit, grad, vmap, remat) and errors."""
 
-import os
-import pathlib
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -12,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_devices
 from fp4jax import Impl
 from fp4jax import route as routes
 from fp4jax import dot as dot_lib
@@ -464,12 +461,7 @@ for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
 
 
 def _run_on_2_cpu_devices(script):
-  """Runs `script` in a fresh process with 2 CPU devices (the device count is fixed at start-up)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  cpu_devices.run(script, 2)
 
 
 def test_sharded_jit_matches_unsharded():

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
 
+import cpu_devices
 from train import data
 from train.main import EXIT_USER_ERROR, main
 
@@ -117,12 +115,7 @@ def test_mesh_axis_that_does_not_divide_a_parameter_is_a_config_mistake(tmp_path
   """On 3 devices, fsdp=3 cannot split the dim-128 model's matrices: that is refused before tokenizing, naming the
   parameter and a mesh that fits; data=3 splits only the batch and passes. (Before, jax's IndivisibleError came
   from the initializer, after the data was tokenized.) A subprocess, since the device count is fixed at start."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _MESH_CHECK, str(tmp_path / "run")], capture_output=True, text=True,
-                        env=env, timeout=240)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout)
+  out = json.loads(cpu_devices.run(_MESH_CHECK, 3, str(tmp_path / "run"), timeout=240).stdout)
   rc, err = out["[1, 3]"]
   assert rc == EXIT_USER_ERROR and "Traceback" not in err, err
   assert err.strip().splitlines()[-1] == (

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import cpu_devices
 from fp4jax import platform
 from train import checkpoint, config, data, interrupt, metrics, train
 from train import main as main_lib
@@ -373,11 +374,7 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_sharded_step_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, env=env, timeout=240)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout)
+  out = json.loads(cpu_devices.run(_SHARDED, 8, timeout=240).stdout)
   assert any("fsdp" in s for s in out["fsdp8"]["specs"]), out["fsdp8"]["specs"]
   for name, ref in (("fsdp8", out["single"]), ("data2_fsdp4", out["single"]),
                     ("data2_fsdp4_mb2", out["single_16"]), ("data2_fsdp4_scanned", out["single"])):
@@ -414,11 +411,7 @@ def test_sharded_fp4_step_quantizes_each_devices_tokens():
   """An mxfp4 step with the Pallas kernels (interpret mode) on a 2 x 4 mesh: its first loss is the one-device
   loss up to the order of the batch mean (each device quantizes its own tokens with the whole batch's bits,
   `fp4jax.Impl.token_axes`); the second follows a gradient summed across devices in another order."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _SHARDED_FP4], capture_output=True, text=True, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout)
+  out = json.loads(cpu_devices.run(_SHARDED_FP4, 8, timeout=600).stdout)
   assert out["single"]["split"] == 0 and out["data2_fsdp4"]["split"] > 0, out
   np.testing.assert_allclose(out["data2_fsdp4"]["losses"][0], out["single"]["losses"][0], rtol=2e-6)
   np.testing.assert_allclose(out["data2_fsdp4"]["losses"][1], out["single"]["losses"][1], rtol=1e-2)

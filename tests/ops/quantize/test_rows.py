@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import cpu_devices
 from bench import compile as compile_bench
 from seeded import fresh_rng
 
@@ -128,11 +129,7 @@ print(json.dumps(out))
 
 
 def _run_on_8_cpu_devices(script: str, seed: int) -> dict:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[3]), env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _PRELUDE.format(seed=seed) + script], env=env, capture_output=True,
-                        text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = cpu_devices.run(_PRELUDE.format(seed=seed) + script, 8, timeout=600)
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
