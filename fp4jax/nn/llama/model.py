@@ -131,9 +131,21 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] float32. `key`: one random key per step (keyed routes)."""
-    b, t = tokens.shape
+    _, t = tokens.shape
     if t > self.config.max_seq_len:
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
+    if dot.splits_explicit_axes():
+      # Under a mesh of Explicit axes the embedding's gather, attention and the scan's stacks would each need
+      # their output shardings spelt out: the model runs with the axes Auto instead, as fp4_dot does, its
+      # parameters passed in (a closed-over array of the Explicit mesh would clash with the Auto one).
+      graphdef, state = nnx.split(self)
+      run = lambda state, tokens, key: nnx.merge(graphdef, state)._logits(tokens, key)
+      spec = jax.sharding.PartitionSpec(*jax.typeof(tokens).sharding.spec, None)
+      return jax.sharding.auto_axes(run, out_sharding=spec)(state, tokens, key)
+    return self._logits(tokens, key)
+
+  def _logits(self, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
+    b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     x = self.embed(tokens)  # [B, T, D]
     for g, group in enumerate(self.block_groups):
