@@ -44,7 +44,7 @@ import numpy as np
 
 from jax.ad_checkpoint import checkpoint_name
 
-from fp4jax import route as route_lib
+from fp4jax import platform, route as route_lib
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FORMATS
@@ -119,7 +119,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return _high_precision_dot(x, w, out_dtype)
   if key is None:
     key = jax.random.key(0)  # Never read: keeps one signature for every route.
-  if splits_explicit_axes():  # see _on_auto_axes
+  if platform.splits_explicit_axes():  # see _on_auto_axes
     return _on_auto_axes(x, w, key, route, impl, out_dtype)
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
                np.dtype(x.dtype) if out_dtype is None else out_dtype)
@@ -129,13 +129,6 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
-
-
-def splits_explicit_axes() -> bool:
-  """Whether the context's mesh splits arrays over an Explicit axis (`jax.make_mesh`'s default axis type), where
-  fp4_dot and the Llama model run with the mesh's axes Auto (`jax.sharding.auto_axes`)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and any(mesh.shape[a] > 1 for a in mesh.explicit_axes)
 
 
 def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:

@@ -24,6 +24,14 @@ def compiles_for_gpu() -> bool:
   return jax.default_backend() == "gpu" or (device is not None and device.platform == "gpu")
 
 
+def splits_explicit_axes() -> bool:
+  """Whether the context's mesh splits arrays over an Explicit axis (`jax.make_mesh`'s default axis type): there
+  fp4_dot, `nn.scan.run_layers` and the Llama model run with the mesh's axes Auto (`jax.sharding.auto_axes`),
+  where XLA's partitioner places what has no explicit sharding rule (a table lookup, a gather, a loop's stacks)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and any(mesh.shape[a] > 1 for a in mesh.explicit_axes)
+
+
 def usable_cpus() -> int:
   """CPUs this process may run on (its affinity mask where the OS has one, else all of them)."""
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

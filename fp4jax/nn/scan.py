@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import platform
+
 
 class _Source(NamedTuple):
   """Where one leaf of a layer's VJP comes from in the backward: kind "stored" (stack `index`), "param"
@@ -165,4 +167,6 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
     return g, jax.tree.unflatten(params_tree, d_stacked), jax.tree.map(_no_gradient, invariants)
 
   run.defvjp(forward, backward)
+  if platform.splits_explicit_axes():  # the loop's stacks and gradients would need every sharding spelt out
+    return jax.sharding.auto_axes(run, out_sharding=_spec(h))(h, stacked, invariants)
   return run(h, stacked, invariants)

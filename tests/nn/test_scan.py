@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_devices
 from fp4jax.nn import scan
 
 L, B, D = 4, 6, 16
@@ -111,6 +112,33 @@ def test_run_layers_runs_under_a_mesh_of_explicit_axes():
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     if g.dtype != jax.dtypes.float0:
       np.testing.assert_array_equal(g, w)
+
+
+_SPLIT_OVER_EXPLICIT_AXES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from fp4jax.nn import scan
+k = jax.random.split(jax.random.key(0), 3)
+h, stacked = jax.random.normal(k[0], (8, 16)), {"w": (jax.random.normal(k[1], (3, 16, 16)) / 4).astype(jnp.bfloat16)}
+body = lambda h, p, positions, layer: h + jnp.tanh(h @ p["w"].astype(h.dtype)) * jnp.cos(positions * 1.0)[:, None]
+loss = lambda h, stacked, positions: jnp.sum(scan.run_layers(body, h, stacked, positions) ** 2)
+step = lambda *args: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+want = step(h, stacked, jnp.arange(8))
+mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(mesh):
+  split = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))
+  got = step(split(h), stacked, jnp.arange(8))  # the positions replicated
+  assert got[1][0].sharding.spec == P("d", None), got[1][0].sharding
+for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+"""
+
+
+def test_run_layers_splits_over_a_mesh_of_explicit_axes():
+  """h split over an Explicit axis of 2 CPU devices: the loop runs with the axes Auto, gives the numbers of no
+  mesh, and dh keeps h's sharding. (A bf16 weight read as float32, as Llama's are, gave its gradient slice the
+  batch's sharding, which dynamic_update_slice refused to write into the unsharded gradient stack.)"""
+  cpu_devices.run(_SPLIT_OVER_EXPLICIT_AXES, 2)
 
 
 def test_run_layers_refuses_differentiable_invariants():

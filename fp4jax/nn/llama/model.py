@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp4jax import dot
+from fp4jax import dot, platform
 from fp4jax.impl import Impl
 from fp4jax.nn import linear, rules as rules_lib, scan as scan_lib
 from fp4jax.nn.linear import FP4Linear, sharded_init
@@ -134,7 +134,7 @@ class Llama(nnx.Module):
     _, t = tokens.shape
     if t > self.config.max_seq_len:
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
-    if dot.splits_explicit_axes():
+    if platform.splits_explicit_axes():
       # Under a mesh of Explicit axes the embedding's gather, attention and the scan's stacks would each need
       # their output shardings spelt out: the model runs with the axes Auto instead, as fp4_dot does, its
       # parameters passed in (a closed-over array of the Explicit mesh would clash with the Auto one).
