@@ -219,10 +219,11 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
         dt = time.time() - t0
         if log is not None and (i + 1 == len(files) or (log.isatty() and dt - shown > 0.5)):
           shown = dt  # refreshed in place on a terminal; a log file gets the final count only
+          # Sizes on disk (an .xz file's compressed bytes): the share of the work done, not of the text.
           log.write(f"\r[data] tokenizing {i + 1}/{len(files)} files, {done_bytes / 2**20:.0f}/"
-                    f"{total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
-                    f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB, {n_tokens:,} tokens, "
-                    f"{dt:.1f}s")
+                    f"{total_bytes / 2**20:.0f} MiB on disk, {n_tokens:,} tokens, {dt:.1f}s" if log.isatty() else
+                    f"[data] tokenized {len(files)} files, {total_bytes / 2**20:.0f} MiB on disk, {n_tokens:,} "
+                    f"tokens, {dt:.1f}s")
           log.flush()
   except BaseException:  # a damaged source or Ctrl-C: leave no partial token file behind
     with contextlib.suppress(OSError):
