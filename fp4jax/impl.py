@@ -3,7 +3,8 @@ mesh axes the tokens are split.
 
 `Impl` changes where and how fast the numbers are computed, never the numbers: every quantizer
 implementation gives the reference's bits, every GEMM backend the emulated product (up to the order of
-float32 sums), and a device quantizing only its own tokens the bits of the whole batch. It is hashable and
+float32 sums; the fp8 backend's MXFP4 re-encoding only while a row's block scales span <= 2^14, `numerics.fp8`),
+and a device quantizing only its own tokens the bits of the whole batch. It is hashable and
 static, like a route: fp4_dot carries it in its plan across jit and custom_vjp, FP4Linear and Llama hold it,
 and the training config sets it (`kernels:`).
 """

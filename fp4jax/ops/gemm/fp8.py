@@ -15,7 +15,8 @@ float32 result, with half the output bytes.
 Fast path (`_gemm_mx_fp8`): applying row factors to the result is a pass over the output. When each whole
 tensor spans <= 2^14 in block exponents (`numerics.fp8.tensor_span_ok`, the usual case) the encoding with ONE
 factor per tensor is exact too, and written as XLA's scaled-FP8 pattern the factors fold into the cuBLASLt
-GEMM. A `lax.cond` picks that path or the per-row one at run time, so the result is exact on both.
+GEMM. A `lax.cond` picks that path or the per-row one at run time, so both give the per-row encoding's numbers
+(exact while each row spans <= 2^14, `numerics.fp8`).
 
 NVFP4 (and mixed pairs) -> bf16: e2m1 (<= 2 significant bits) times an E4M3 block scale (<= 4 significant bits)
 has at most 6 significant bits and a magnitude in [2^-10, 6 * 448], so q * s_b is exact in bf16 (8 significant
@@ -130,7 +131,8 @@ def fp8_gemm_tensor_scaled(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
 
 def _gemm_mx_fp8(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
   """Per-tensor scaled FP8 GEMM (scales fused into cuBLASLt) when both operands span <= 2^14 overall, else the
-  per-row encoding with the factors applied to the result. Both branches give the exact product.
+  per-row encoding with the factors applied to the result. Both branches give the per-row encoding's product
+  (exact while each row spans <= 2^14: `numerics.fp8`).
 
   Each operand is encoded once, outside the `lax.cond`, against per-row reference exponents: the tensor's e_T
   on every row where the per-tensor path is taken, each row's own e_row otherwise (the same bits as
