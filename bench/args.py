@@ -4,11 +4,13 @@ one-line usage error (exit status 2) before any work, not a traceback from deep 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Callable
 
 from fp4jax import platform, route as route_lib
 from fp4jax.nn.llama.config import PRESETS as LLAMA_PRESETS
+from train import errors
 
 _PAIR = re.compile(r"[1-9]\d*x[1-9]\d*")  # AxB, two positive integers
 
@@ -31,22 +33,58 @@ def preset(value: str) -> str:
   return value
 
 
-def _pair(value: str, form: str, example: str) -> tuple[int, int]:
-  """AxB with two positive integers, as (A, B); `form` and `example` name it in the error."""
+def _pair(value: str, form: str, example: str, most: int) -> tuple[int, int]:
+  """AxB with two positive integers whose product is at most `most`, as (A, B); `form` and `example` name it in
+  the error."""
   if not _PAIR.fullmatch(value):
     raise argparse.ArgumentTypeError(f"{value!r} is not {form} with two positive integers, e.g. {example}")
-  a, b = value.split("x")
-  return int(a), int(b)
+  a, b = (int(n) for n in value.split("x"))
+  if a * b > most:  # past it XLA fails deep inside (an overflowing extent, a divide trap) or runs out of memory
+    raise argparse.ArgumentTypeError(f"{value}: {a * b:,} is more than the {most:,} bench takes")
+  return a, b
 
 
 def tokens(value: str) -> tuple[int, int]:
-  """BATCHxSEQ with two positive integers, as (batch, seq)."""
-  return _pair(value, "BATCHxSEQ", "8x1024")
+  """BATCHxSEQ with two positive integers, as (batch, seq), at most 2^22 tokens (256 times Llama-1B's 8x2048)."""
+  return _pair(value, "BATCHxSEQ", "8x1024", 2**22)
 
 
 def shape(value: str) -> tuple[int, int]:
-  """One MxK shape with positive sizes, as (M, K)."""
-  return _pair(value, "MxK", "16384x4096")
+  """One MxK shape with positive sizes, as (M, K), at most 2^31 - 1 elements (the kernels index in int32)."""
+  return _pair(value, "MxK", "16384x4096", 2**31 - 1)
+
+
+def out_file(value: str) -> str:
+  """A file bench writes (replacing one that is there): its directory is made if missing and must be writable,
+  and the path must not be a directory, checked before any work."""
+  path = os.path.expanduser(value)
+  if os.path.isdir(path):
+    raise argparse.ArgumentTypeError(f"{value!r} is a directory; name a file in it")
+  _writable_dir(os.path.dirname(path) or ".", "its directory")
+  return path
+
+
+def out_dir(value: str) -> str:
+  """A directory bench writes files into (made if missing; files of the same names are replaced), checked
+  before any work."""
+  path = os.path.expanduser(value)
+  _writable_dir(path, "directory")
+  return path
+
+
+def _writable_dir(path: str, what: str) -> None:
+  try:
+    errors.check_writable_dir(path, what)
+  except errors.UserError as err:
+    raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def num_warps(value: str) -> int:
+  """A Triton warp count: a power of two from 1 to 32."""
+  number = int_at_least(1)(value)
+  if number > 32 or number & (number - 1):
+    raise argparse.ArgumentTypeError(f"{number} is not a power of two from 1 to 32")
+  return number
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

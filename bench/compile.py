@@ -89,14 +89,17 @@ from fp4jax.ops.quantize.pallas import common
 from train.errors import UserError
 
 
+STEP_TOKENS = (8, 512)  # --step's default batch
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
   dot.add_shape_args(parser)
   parser.add_argument("--warm", action="store_true",
                       help="keep the persistent compilation cache on (default: off, every compile is cold)")
   parser.add_argument("--step", metavar="PRESET", type=args_lib.preset,
                       help="time a whole Llama train step of this preset instead")
-  parser.add_argument("--tokens", type=args_lib.tokens, default="8x512",
-                      help="--step's batch: BATCHxSEQ (default: %(default)s)")
+  parser.add_argument("--tokens", type=args_lib.tokens,
+                      help=f"--step's batch: BATCHxSEQ (default: {STEP_TOKENS[0]}x{STEP_TOKENS[1]})")
   parser.add_argument("--layers", type=args_lib.int_at_least(1),
                       help="--step: keep the preset's layer shapes with this many layers (as `bench step --layers`)")
   args_lib.add_scan(parser, "--step: ")
@@ -111,8 +114,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repeat", type=args_lib.int_at_least(1), default=1, metavar="N",
                       help="--step: each route's first call N times, each in a fresh process, routes interleaved; "
                            "prints the median and range")
-  parser.add_argument("--out", help="write the rows as JSON here")
-  parser.add_argument("--hlo", metavar="DIR", help="write each compiled program's optimized HLO text here")
+  parser.add_argument("--out", type=args_lib.out_file, help="write the rows as JSON to this file (replaced)")
+  parser.add_argument("--hlo", metavar="DIR", type=args_lib.out_dir,
+                      help="write each compiled program's optimized HLO text here")
   parser.add_argument("--triton", action="store_true",
                       help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "
                            "package and print the seconds (a proxy for that share of XLA's compile)")
@@ -462,8 +466,17 @@ def run(args: argparse.Namespace) -> None:
   if args.repeat > 1 and (not args.step or (args.h200 and not args.xla) or args.passes or args.triton or args.hlo):
     raise UserError("bench compile: --repeat times whole steps' first calls (--step), without --h200 (unless with "
                     "--xla), --passes, --triton or --hlo")
-  if args.layers and not args.step:
-    raise UserError("bench compile: --layers sets the layer count of a whole step; add --step PRESET")
+  step_only = [o for o, v in (("--tokens", args.tokens), ("--layers", args.layers), ("--scan", args.scan),
+                                ("--unfused-linears", args.unfused_linears)) if v]
+  if step_only and not args.step:
+    raise UserError(f"bench compile: {', '.join(step_only)} shape a whole step; add --step PRESET")
+  if args.step and (args.small or args.shapes):
+    raise UserError("bench compile: --small and --shapes choose fp4_dot's shapes, and --step times a whole step "
+                    "instead; drop one")
+  if args.warm and platform.cache_dir(args.compile_cache) is None:
+    raise UserError("bench compile: --warm keeps the persistent cache on, and --compile-cache turns it off; drop "
+                    "one")
+  args.tokens = args.tokens or STEP_TOKENS
   if args.xla and not args.h200:
     raise UserError("bench compile: --xla compiles an --h200 lowering with XLA:GPU; add --h200")
   if args.triton and (not args.h200 or args.xla):

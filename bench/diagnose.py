@@ -53,7 +53,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16,
                       help="keys the GEMM bias is averaged over (default: 16)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", default=None, help="directory for diagnose.json and diagnose.png")
+  parser.add_argument("--out", default=None, type=args_lib.out_dir,
+                      help="directory for diagnose.json and diagnose.png (replaced)")
 
 
 def model_inputs(preset: str, tokens: tuple[int, int], linears: list[str], seed: int

@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import re
+import sys
 import time
 import traceback
 from typing import Callable
@@ -224,7 +225,7 @@ def selected_shapes(args: argparse.Namespace) -> tuple[tuple, int]:
   return shapes, SMALL_TOKENS if args.small else LLAMA8B_TOKENS
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int | None:
   """The `dot` subcommand."""
   shapes, m = selected_shapes(args)
   meta = device_info()
@@ -328,13 +329,17 @@ def run(args: argparse.Namespace) -> None:
   print("\nfp4_dot rows quantize X and W (and dY) inside the timed call; GEMM rows use pre-quantized operands.")
   print(f"{meta['device']}  jax {meta['jax']}  {meta['date']}  M={m}")
   print(rows.table())
+  failed = [row["name"] for row in rows.rows if "error" in row]
+  if failed:  # the table shows them; the exit status tells a script
+    print(f"{len(failed)} row(s) FAILED: {', '.join(dict.fromkeys(failed))}", file=sys.stderr)
+    return 1
 
 
 def add_shape_args(p: argparse.ArgumentParser) -> None:
   """The options `selected_shapes` reads, and the routes: shared by `dot` and `compile`."""
   p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-  p.add_argument("--shapes", type=int, nargs="*", help="indices of the shapes to run (default: all)")
-  p.add_argument("--routes", nargs="*", type=args_lib.route(), default=list(DEFAULT_ROUTES), help="fp4_dot routes")
+  p.add_argument("--shapes", type=int, nargs="+", help="indices of the shapes to run (default: all)")
+  p.add_argument("--routes", nargs="+", type=args_lib.route(), default=list(DEFAULT_ROUTES), help="fp4_dot routes")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -347,4 +352,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="time only bf16 dot and the fp4_dot rows (skip the pre-quantized GEMM rows)")
   p.add_argument("--unfused", action="store_true",
                  help="time each quantized route again with XLA's reference quantizers (Impl(quantizer='xla'))")
-  p.add_argument("--out", help="write all numbers as JSON here")
+  p.add_argument("--out", type=args_lib.out_file, help="write all numbers as JSON to this file (replaced)")

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import fp4jax
-from bench import dot, triton
+from bench import args as args_lib, dot, triton
+from train.errors import UserError
 
 _SSA = re.compile(r"%[\w#:.-]+")
 _LOC = re.compile(r"loc\([^)]*\)|#loc\d*")
@@ -53,10 +54,14 @@ def lowered(route: str, m: int, k: int, n: int) -> tuple[str, list[str]]:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
   dot.add_shape_args(parser)
-  parser.add_argument("--dump", type=pathlib.Path, help="write the normalized texts into this folder")
+  parser.add_argument("--dump", type=lambda value: pathlib.Path(args_lib.out_dir(value)),
+                      help="write the normalized texts into this folder")
 
 
 def run(args: argparse.Namespace) -> None:
+  if set(args.routes) <= {"bf16"}:
+    raise UserError("bench program: bf16 lowers no quantizer or FP4 GEMM, so it has no program here; name a "
+                    "quantized route in --routes")
   shapes, m = dot.selected_shapes(args)
   for sname, k, n in shapes:
     for route in args.routes:

@@ -218,15 +218,21 @@ def measure(shapes, variants, log: list, interpret: bool = False) -> list[tuple]
     for tile in FP8_TILES:
       try:
         rows.append(_fp8_row(x, tile, copy_bw, interpret, log))
-      except Exception as e:
-        print(f"{shape} to_fp8 {tile}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      except Exception as e:  # pylint: disable=broad-except  (a FAILED row, as a variant gets)
+        print(f"{shape} {_fp8_label(tile)}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
+        rows.append((f"{shape[0]}x{shape[1]}", _fp8_label(tile), float("nan"), 0, float("nan"), float("nan"),
+                     float("nan"), "FAILED (error above)"))
   return rows
+
+
+def _fp8_label(tile) -> str:
+  return f"to_fp8 {tile.block_r}x{tile.block_b}w{tile.num_warps}"
 
 
 def _fp8_row(x, tile, copy_bw, interpret, log) -> tuple:
   """Times the MXFP4 -> FP8 re-encoding alone (Pallas vs XLA) on the row view of x."""
   q = reference.quantize(x, "mxfp4")
-  label = f"to_fp8 {tile.block_r}x{tile.block_b}w{tile.num_warps}"
+  label = _fp8_label(tile)
   kern = jax.jit(lambda q: fp8.mx_to_fp8(q, tile=tile, interpret=interpret))
   ref = jax.jit(fp8_encoding.mx_to_fp8)
   got = kern(q)
@@ -269,7 +275,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--shapes", type=args_lib.shapes, default=",".join(f"{m}x{k}" for m, k in SHAPES),
                       help="comma-separated MxK list")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant labels to run")
-  parser.add_argument("--out", default=None, help="directory for the JSON log and the table")
+  parser.add_argument("--out", default=None, type=args_lib.out_dir,
+                      help="directory for the JSON log and the table (files of those names replaced)")
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
 
 

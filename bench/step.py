@@ -59,6 +59,9 @@ ATTENTION = ("auto", "xla", "cudnn")
 PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
+DEFAULT_ROUTES = ("bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4")
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", type=args_lib.preset, default="125m",
                       help="Llama preset (fp4jax.nn.llama PRESETS)")
@@ -66,8 +69,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="keep the preset's layer shapes with this many layers")
   parser.add_argument("--tokens", type=args_lib.tokens, default="8x1024",
                       help="batch: BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--routes", nargs="+", type=args_lib.route(flax_fp8.NAME),
-                      default=["bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4"],
+  parser.add_argument("--routes", nargs="+", type=args_lib.route(flax_fp8.NAME), default=list(DEFAULT_ROUTES),
                       help=f"fp4jax routes, or {flax_fp8.NAME} (Flax's FP8 op, `bench.flax_fp8`); "
                            f"default: %(default)s")
   parser.add_argument("--iters", type=args_lib.int_at_least(1), default=10, help="timed steps per route")
@@ -83,8 +85,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
   parser.add_argument("--top", type=args_lib.int_at_least(1), default=15, metavar="N",
                       help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
-  parser.add_argument("--out", help="write the rows as JSON here")
-  parser.add_argument("--hlo", metavar="DIR", help="write each route's compiled step (optimized HLO text) here")
+  parser.add_argument("--out", type=args_lib.out_file, help="write the rows as JSON to this file (replaced)")
+  parser.add_argument("--hlo", metavar="DIR", type=args_lib.out_dir,
+                      help="write each route's compiled step (optimized HLO text) here")
 
 
 class LlamaStep(NamedTuple):
@@ -298,8 +301,27 @@ def _blocks(args: argparse.Namespace) -> str:
   return f"scanned ({saving})" if args.scan else "unrolled"
 
 
+def _check(args: argparse.Namespace) -> None:
+  """What the routes' steps would refuse one by one, refused before the first (a UserError), or, for the default
+  routes, the one route that cannot run left out with a note."""
+  batch, _ = args.tokens
+  if batch % args.microbatches:
+    raise UserError(f"bench step: the batch of {batch} sequences does not split into --microbatches "
+                    f"{args.microbatches} equal passes")
+  if args.microbatches > 1 and flax_fp8.NAME in args.routes:
+    if tuple(args.routes) != DEFAULT_ROUTES:
+      raise UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); "
+                      f"drop --microbatches or that route")
+    args.routes = [r for r in args.routes if r != flax_fp8.NAME]
+    print(f"bench step: {flax_fp8.NAME} left out of the default routes: it runs in one pass, not "
+          f"--microbatches {args.microbatches}", flush=True)
+  if args.scan_saves != "outputs" and not args.scan:
+    raise UserError("bench step: --scan-saves chooses what scanned blocks keep; add --scan (or --scan auto)")
+
+
 def run(args: argparse.Namespace) -> None:
   """Measures each route in turn (an out-of-memory route becomes a row saying so), printing the table after each."""
+  _check(args)
   batch, seq = args.tokens
   layers = f", {args.layers} layers" if args.layers else ""
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "

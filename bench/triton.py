@@ -163,7 +163,7 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("kernels", nargs="*", default=list(KERNELS), help=f"any of {list(KERNELS)}")
   parser.add_argument("--shape", type=args_lib.shape, default="4096x4096", help="MxK of x (default: %(default)s)")
-  parser.add_argument("--num-warps", type=int, default=4)
+  parser.add_argument("--num-warps", type=args_lib.num_warps, default=4, help="a power of two (default: 4)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
   for name in args.kernels:
     try:
       ir = triton_ir(KERNELS[name], shape)
-    except NotImplementedError as e:  # the kernel's check: a shape its tiles do not cover
+    except (NotImplementedError, ValueError) as e:  # the kernel's checks: a shape its tiles do not cover
       raise UserError(f"bench triton: kernel {name!r} does not take --shape {shape[0]}x{shape[1]}: {e}") from e
     line = f"{name:20s} IR {ir.count(chr(10)):6d} lines"
     if have_triton:

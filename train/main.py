@@ -65,7 +65,10 @@ def enable_compilation_cache(setting: str, what: str) -> None:
   """JAX's persistent compilation cache as `setting` names it (`fp4jax.platform.cache_dir`: auto, none/off or a
   directory), train's and bench's: a directory that cannot be used is a UserError naming `what`."""
   from fp4jax import platform
-  cache = platform.cache_dir(setting)
+  try:
+    cache = platform.cache_dir(setting)
+  except ValueError as err:
+    raise UserError(f"{what}={setting!r}: {err}") from err
   if cache is not None:
     check_writable_dir(cache, what)
   platform.enable_compilation_cache(cache)
