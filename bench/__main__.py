@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--compile-cache", default="auto",
                       help=f"JAX's persistent compilation cache directory, 'off' (or 'none'), or 'auto' "
                            f"(default: auto = {platform.default_cache_dir()})")
-  parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default="on", metavar="on|off|N",
-                      help="compile a program's Pallas kernels alone, in parallel, while it lowers (on, as train "
-                           "does: one thread per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the "
-                           "program (off); fp4jax.compiling (default: on)")
+  parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default="off", metavar="on|off|N",
+                      help="compile a program's Pallas kernels alone, in parallel, while it lowers (on: one thread "
+                           "per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the program (off); "
+                           "fp4jax.compiling, experimental: wrong results on an H100 (default: off)")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
     summary = " ".join(module.__doc__.split("\n\n")[0].split())  # the docstring's first paragraph

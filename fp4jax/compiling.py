@@ -18,7 +18,12 @@ The file is keyed by kernel name, so reuse needs one name per launch configurati
 so (`ops.quantize.pallas.common.launch_name`); kernels of other names compile as before, in the program.
 
 Where nothing is to gain it compiles the program as `jax.jit` does: no Triton launch (CPU, interpret mode), or
-no thread to spare (`threads=0`; by default on machines of 2 CPUs or fewer).
+no thread to spare (`threads=0`, the default; on machines of 2 CPUs or fewer with `threads=None`).
+
+Status: experimental, off by default in `train` and `bench`. On an H100 (2026-12-05) programs compiled this way
+ran wrong: NaNs, and an input overwritten (docs/BENCHMARKS.md, "H100 call of 2026-12-05"), though the optimized
+program text is the one compiled alone. A kernel taken from the file is launched in a way its program does not
+expect; which part of the cached entry differs is not yet known.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import jax
 from fp4jax import platform
 
 KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
+UNVERIFIED = ("fp4jax.compiling: Pallas kernels compiled first gave wrong results on an H100 (NaNs, an input "
+              "overwritten; docs/BENCHMARKS.md, 2026-12-05): check this program's outputs against jax.jit's")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +211,17 @@ def _write_atomically(path: pathlib.Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
+def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
                   directory: str | os.PathLike | None = None) -> Iterator[tuple[jax.stages.Lowered, dict, Report]]:
   """Inside: (the lowered program, the compiler options that hand it its kernels, a `Report`). Compiles the
   distinct Triton launches of `traced` alone on `threads` threads while it lowers the program, and merges their
-  kernels into the program's kernel file (module docstring). Default threads: one per usable CPU but one, none
-  below 2 (with one thread the kernels would compile one after the other, as in the program).
+  kernels into the program's kernel file (module docstring). threads: 0 (the default) compiles the program as
+  `jax.jit` does; None one per usable CPU but one, none below 2 (with one thread the kernels would compile one
+  after the other, as in the program).
+
+  Experimental, and off by default: on an H100 (2026-12-05, docs/BENCHMARKS.md) programs compiled this way gave
+  NaNs where the program compiled alone gave finite outputs, and an mxfp4 one overwrote one of its inputs,
+  although the optimized programs compiled for an H200 without a GPU are the same text. A GPU backend warns.
 
   The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
   launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a
@@ -229,6 +241,8 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = None,
   if not launches or threads <= 0:
     yield traced.lower(), {}, report
     return
+  if jax.default_backend() == "gpu":
+    warnings.warn(UNVERIFIED, stacklevel=3)
   keep = directory is not None
   if keep:
     try:
@@ -290,7 +304,7 @@ def compile_lowered(lowered: jax.stages.Lowered, options: dict, report: Report,
   return compiled
 
 
-def compile_program(jitted, *args, threads: int | None = None, directory: str | os.PathLike | None = None,
+def compile_program(jitted, *args, threads: int | None = 0, directory: str | os.PathLike | None = None,
                     compiler_options: dict | None = None) -> tuple[jax.stages.Compiled, Report]:
   """`jitted` (a `jax.jit` function) traced, lowered and compiled for `args` (arrays or ShapeDtypeStructs), its
   Triton kernels compiled first (`kernels_first`, whose `threads` and `directory` these are); returns the

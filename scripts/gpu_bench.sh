@@ -53,11 +53,11 @@ for part in "${parts[@]}"; do
     compile)
       # Issue 12's measurement: each route's first call (trace + lower + compile, cold) in fresh processes, as
       # training runs it (--scan auto), medians and ratios to bf16 printed last. 30M took 111 s with REPEAT=2.
-      # KERNELS_FIRST="on off" also times the FP4 routes with their Pallas kernels compiled in the program
-      # (fp4jax.compiling; on is what train and bench do).
+      # KERNELS_FIRST="off on" also times them with their Pallas kernels compiled first (fp4jax.compiling;
+      # experimental, off by default: wrong results on an H100, 2026-12-05).
       for preset in ${COMPILE_PRESETS:-30m 125m 1b}; do
         case "$preset" in 30m) tokens=64x512 ;; 125m) tokens=16x1024 ;; *) tokens=8x2048 ;; esac
-        for kf in ${KERNELS_FIRST:-on}; do
+        for kf in ${KERNELS_FIRST:-off}; do
           log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens, kernels first: $kf"
           timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off --kernels-first "$kf" compile \
             --step "$preset" --tokens "$tokens" --scan auto --repeat ${REPEAT:-2} \

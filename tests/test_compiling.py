@@ -2,6 +2,7 @@
 program compiled with its kernels first for an H200 (JAX's CUDA plugin, no GPU) and run on a GPU."""
 
 import functools
+import inspect
 import json
 import os
 import pathlib
@@ -174,6 +175,9 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known bug: on an H100 (2026-12-05) these "
+                   "programs gave NaNs (docs/BENCHMARKS.md), which is why kernels-first is off by default; strict, "
+                   "so the fix shows as XPASS")
 @pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
 def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_path):
   """On the GPU: fp4_dot's forward and backward compiled with its kernels compiled first runs, and gives the
@@ -182,7 +186,8 @@ def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_
   rng = fresh_rng(f"kernels first, {route}")
   args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((256, 512), (512, 384), (256, 384))]
   args.append(jax.random.key(int(rng.integers(2**31))))
-  compiled, report = compiling.compile_program(jax.jit(f), *args, threads=4, directory=tmp_path)
+  with pytest.warns(UserWarning, match="gave wrong results on an H100"):
+    compiled, report = compiling.compile_program(jax.jit(f), *args, threads=4, directory=tmp_path)
   assert report.kernels > 0 and report.fallback is None and not report.failed
   for got, want in zip(compiled(*args), jax.jit(f)(*args)):
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
@@ -236,3 +241,18 @@ def test_report_summary_says_how_the_kernels_compiled():
   assert report.summary() == ("1 kernels left to the program (k_1: TypeError); compiled again without them "
                               "(XlaRuntimeError: link)")
   assert compiling.Report().summary() == ""
+
+
+def test_kernels_first_is_off_unless_asked_for(monkeypatch):
+  """Kernels compiled first gave wrong results on an H100, so nothing compiles that way by default: the library
+  (threads=0), `train` (run.kernels_first) and `bench` (--kernels-first). (Asked for on a GPU it warns: the GPU
+  test above.)"""
+  from bench.__main__ import main as bench_main  # pylint: disable=g-import-not-at-top
+  from train import config  # pylint: disable=g-import-not-at-top
+  assert inspect.signature(compiling.compile_program).parameters["threads"].default == 0
+  assert inspect.signature(compiling.kernels_first).parameters["threads"].default == 0
+  assert config.RunConfig().kernels_first is False
+  seen = {}
+  monkeypatch.setattr("bench.compile.run", lambda args: seen.setdefault("value", args.kernels_first) and 0)
+  bench_main(["compile", "--small"])
+  assert seen["value"] == "off"

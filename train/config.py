@@ -195,7 +195,8 @@ class RunConfig:
   progress: bool = True
   compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (platform.default_cache_dir), "none"
   # (or "off"), or a path
-  kernels_first: bool = True  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling)
+  kernels_first: bool = False  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling;
+  # experimental: wrong results on an H100, 2026-12-05)
 
   def __post_init__(self):
     expand_home(self, "out_dir")
