@@ -355,9 +355,9 @@ def _lower_abstract(traced):
   except ValueError as e:
     if "AbstractMesh cannot be used" not in str(e):
       raise
-    raise SystemExit("bench compile --h200: this program holds a call that lowers only with a device (cuDNN's "
-                     "attention, taken where JAX's CUDA plugin is installed): add --xla to compile it for the "
-                     "plugin's deviceless H200 instead") from e
+    raise UserError("bench compile --h200: this program holds a call that lowers only with a device (cuDNN's "
+                    "attention, taken where JAX's CUDA plugin is installed): add --xla to compile it for the "
+                    "plugin's deviceless H200 instead") from e
 
 
 def _line(name: str, p: dict) -> str:

@@ -208,8 +208,7 @@ def measure(shapes, variants, log: list, interpret: bool = False) -> list[tuple]
         t, moved, ok, bad, base = _check_and_time(label, variant, x, key, interpret, xla_times, rows, copy_bw)
       except Exception as e:  # a variant that fails to compile must not hide the others' numbers
         print(f"{shape} {label}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
-        rows.append((f"{shape[0]}x{shape[1]}", f"fused {label}", float("nan"), 0, float("nan"), float("nan"),
-                     float("nan"), "FAILED (error above)"))
+        rows.append(_failed_row(shape, f"fused {label}"))
         continue
       rows.append((f"{shape[0]}x{shape[1]}", f"fused {label}", t, moved, moved / t, moved / t / copy_bw,
                    xla_times[base] / t, ok))
@@ -220,9 +219,14 @@ def measure(shapes, variants, log: list, interpret: bool = False) -> list[tuple]
         rows.append(_fp8_row(x, tile, copy_bw, interpret, log))
       except Exception as e:  # pylint: disable=broad-except  (a FAILED row, as a variant gets)
         print(f"{shape} {_fp8_label(tile)}: FAILED {type(e).__name__}: {str(e)[:3000]}", flush=True)
-        rows.append((f"{shape[0]}x{shape[1]}", _fp8_label(tile), float("nan"), 0, float("nan"), float("nan"),
-                     float("nan"), "FAILED (error above)"))
+        rows.append(_failed_row(shape, _fp8_label(tile)))
   return rows
+
+
+def _failed_row(shape: tuple[int, int], label: str) -> tuple:
+  """The table row of a variant or re-encode that raised (its error printed above the table)."""
+  return (f"{shape[0]}x{shape[1]}", label, float("nan"), 0, float("nan"), float("nan"), float("nan"),
+          "FAILED (error above)")
 
 
 def _fp8_label(tile) -> str:

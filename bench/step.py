@@ -62,6 +62,11 @@ PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 DEFAULT_ROUTES = ("bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4")
 
 
+def _flax_in_one_pass() -> UserError:
+  return UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); drop "
+                   f"--microbatches or that route")
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--preset", type=args_lib.preset, default="125m",
                       help="Llama preset (fp4jax.nn.llama PRESETS)")
@@ -121,8 +126,7 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
                     f"{microbatches} equal passes")
   scan = False if flax else scan  # Flax's FP8 state is per linear of unrolled blocks (`flax_fp8.convert`)
   if flax and microbatches > 1:
-    raise UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); "
-                    f"drop --microbatches")
+    raise _flax_in_one_pass()
   if attention == "cudnn" and jax.default_backend() != "gpu":
     raise UserError(f"bench step: --attention cudnn needs a GPU (this backend: {jax.default_backend()}); use auto "
                     f"or xla")
@@ -302,16 +306,12 @@ def _blocks(args: argparse.Namespace) -> str:
 
 
 def _check(args: argparse.Namespace) -> None:
-  """What the routes' steps would refuse one by one, refused before the first (a UserError), or, for the default
-  routes, the one route that cannot run left out with a note."""
-  batch, _ = args.tokens
-  if batch % args.microbatches:
-    raise UserError(f"bench step: the batch of {batch} sequences does not split into --microbatches "
-                    f"{args.microbatches} equal passes")
+  """What a later route's step would refuse, refused before the first route runs (a UserError), or, for the
+  default routes, the one route that cannot run left out with a note. (A batch that does not split into the
+  microbatches fails in the first route's `llama_step`, before any work.)"""
   if args.microbatches > 1 and flax_fp8.NAME in args.routes:
     if tuple(args.routes) != DEFAULT_ROUTES:
-      raise UserError(f"bench step: --routes {flax_fp8.NAME} runs in one pass (its FP8 state updates per pass); "
-                      f"drop --microbatches or that route")
+      raise _flax_in_one_pass()
     args.routes = [r for r in args.routes if r != flax_fp8.NAME]
     print(f"bench step: {flax_fp8.NAME} left out of the default routes: it runs in one pass, not "
           f"--microbatches {args.microbatches}", flush=True)

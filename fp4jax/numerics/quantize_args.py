@@ -27,7 +27,6 @@ class Cfg:
   tile_rows: int
 
 
-
 def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows,
            tensor_amax) -> Cfg:
   """Validates a quantize call and fills in defaults."""
