@@ -11,14 +11,12 @@ import sys
 REPO = pathlib.Path(__file__).parents[1]
 
 
-def run(script: str, devices: int, *args: str, timeout: float = 300, check: bool = True,
-        ) -> subprocess.CompletedProcess:
-  """`python -c script *args` with `devices` CPU devices and the repository importable. `check`: the process
-  must exit 0 (the assertion shows the tail of its stderr)."""
+def run(script: str, devices: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  """`python -c script *args` with `devices` CPU devices and the repository importable; the process must exit 0
+  (the assertion shows the tail of its stderr)."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
   proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                         timeout=timeout, check=False)
-  if check:
-    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
