@@ -21,9 +21,13 @@ Where nothing is to gain it compiles the program as `jax.jit` does: no Triton la
 no thread to spare (`threads=0`, the default; on machines of 2 CPUs or fewer with `threads=None`).
 
 Status: experimental, off by default in `train` and `bench`. On an H100 (2026-12-05) programs compiled this way
-ran wrong: NaNs, and an input overwritten (docs/BENCHMARKS.md, "H100 call of 2026-12-05"), though the optimized
-program text is the one compiled alone. A kernel taken from the file is launched in a way its program does not
-expect; which part of the cached entry differs is not yet known.
+ran wrong: NaNs, and an input overwritten (docs/BENCHMARKS.md, "H100 call of 2026-12-05"). The cause: the file
+records a kernel's launch grid as its count of blocks, so a kernel taken from it ran on a one-axis grid of that
+many blocks where its program launched it on two axes (the programs' thunk sequences, compiled for an H200
+without a GPU, showed [48, 1, 1] where the program compiled alone launched [6, 8, 1]). fp4jax's kernels now
+launch on one axis (`ops.quantize.pallas.common.pallas_call`), which the file records whole; a program compiled
+so launches every kernel on the grid it does alone (`tests/test_compiling.py`), and the GPU check of its outputs
+is pending.
 """
 
 from __future__ import annotations
@@ -220,8 +224,8 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
   after the other, as in the program).
 
   Experimental, and off by default: on an H100 (2026-12-05, docs/BENCHMARKS.md) programs compiled this way gave
-  NaNs where the program compiled alone gave finite outputs, and an mxfp4 one overwrote one of its inputs,
-  although the optimized programs compiled for an H200 without a GPU are the same text. A GPU backend warns.
+  NaNs and overwrote an input, since the kernel file kept only a launch grid's block count (fixed by launching
+  every kernel on one axis; module docstring). Until a GPU has run such programs again, a GPU backend warns.
 
   The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
   launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a

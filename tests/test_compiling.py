@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -94,14 +95,18 @@ def _fwd_bwd(route: str, impl: Impl):
 @pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
 def test_every_distinct_launch_is_found_in_forward_and_backward(route):
   """The launches found in the traced jaxpr (custom_vjp backward included) are the lowered program's distinct
-  Triton launch configurations, each with its own name; interpret-mode kernels are none."""
+  Triton launch configurations, each with its own name, each on a grid of one axis (XLA's kernel file keeps a
+  launch's block count only: `common.pallas_call`); interpret-mode kernels are none."""
   f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
   with bench_triton.on_abstract_h200():
     traced = jax.jit(f).trace(*args)
     launches = compiling.triton_launches(traced.jaxpr.jaxpr)
-    _, _, configs = compile_bench.kernel_counts(traced.lower(lowering_platforms=("cuda",)).as_text())
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  _, _, configs = compile_bench.kernel_counts(text)
   assert len(launches) == configs > 0
   assert len({l.name for l in launches}) == len(launches)
+  grids = [dict(re.findall(r"grid_([xyz]) = (\d+)", line)) for line in text.splitlines() if "xla.gpu.triton" in line]
+  assert len(grids) >= configs and all(g["y"] == g["z"] == "1" for g in grids), grids
   f, args = _fwd_bwd(route, Impl(quantizer="interpret"))
   assert compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr) == []
 
@@ -113,8 +118,8 @@ def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
   np.testing.assert_array_equal(compiled(jnp.arange(4.0)), fn(jnp.arange(4.0)))
 
 
-_H200_KERNELS_FIRST = """
-import json, pathlib, sys, warnings
+_H200_KERNELS_FIRST = r"""
+import json, pathlib, re, sys, warnings
 import jax, jax.numpy as jnp
 from bench import compile as compile_bench
 from fp4jax import Impl, compiling, fp4_dot
@@ -122,13 +127,21 @@ sys.path.insert(0, "tests")
 from test_compiling import _fwd_bwd
 mesh = compile_bench._deviceless_h200()
 out = {}
+
+def launches_run(dump):  # (kernel, grid, threads) of each fp4jax kernel the program's thunks launch
+  [path] = pathlib.Path(dump).glob("*jit_f*thunk_sequence_after_thunk_passes.txt")
+  pattern = re.compile(r"(fp4jax_\S+) grid: (\[[^]]*\]) threads: (\[[^]]*\])")
+  return sorted(m.groups() for m in map(pattern.search, path.read_text().splitlines()) if m)
+
 for route in ("nvfp4", "quartet2"):
   f, args = _fwd_bwd(route, Impl())
+  dump = pathlib.Path(sys.argv[1]) / "dump" / route
   with jax.set_mesh(mesh):
     args = compile_bench._on(mesh, args)
-    plain = jax.jit(f).trace(*args).lower().compile().as_text()
+    plain = jax.jit(f).trace(*args).lower().compile({"xla_dump_to": str(dump / "alone")}).as_text()
     directory = pathlib.Path(sys.argv[1]) / route
-    compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory)
+    compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory,
+                                                 compiler_options={"xla_dump_to": str(dump / "first")})
     launches = compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)
     with compiling.kernels_first(jax.jit(f).trace(*args), threads=2, directory=directory) as (_, again, rerun):
       pass  # the kept program file: nothing compiles alone, the same path (JAX's cache key)
@@ -138,7 +151,8 @@ for route in ("nvfp4", "quartet2"):
   entries, _ = compiling.kernel_entries(program_file.read_bytes())
   out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels,
                 "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
-                "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax"))}
+                "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax")),
+                "launch_grids": launches_run(dump / "alone") == launches_run(dump / "first") != []}
 blocked = pathlib.Path(sys.argv[1]) / "a-file"
 blocked.write_text("")
 f, args = _fwd_bwd("nvfp4", Impl())
@@ -157,9 +171,10 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
   """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward with its kernels compiled first: the
   same optimized program as compiled alone, every launch compiled alone, none failed, and the program's kernel
   file afterwards holds exactly those kernels under their names: XLA took each (a kernel it had compiled itself
-  would have been added under a name of its own, `name_1`). A second compile with that directory takes the file
-  as it is (no kernel compiled alone, the same path). A kernel directory that cannot be made is a warning, and
-  the kernels go to a temporary one."""
+  would have been added under a name of its own, `name_1`), and launches each on the grid the program compiled
+  alone does (XLA's file keeps a block count only: `common.pallas_call`). A second compile with that directory
+  takes the file as it is (no kernel compiled alone, the same path). A kernel directory that cannot be made is a
+  warning, and the kernels go to a temporary one."""
   env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
   done = subprocess.run([sys.executable, "-c", _H200_KERNELS_FIRST, str(tmp_path)], capture_output=True, text=True,
                         env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
@@ -171,6 +186,7 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
     assert results.pop(route + " again") == {"kernels": 0, "same_file": True}, route
   for route, r in results.items():
     assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
+    assert r["launch_grids"], (route, r)  # each kernel taken from the file runs on the grid it runs on alone
     assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
 
 

@@ -97,7 +97,7 @@ def _amax_call(x: jax.Array, words: jax.Array, cfg: AmaxConfig) -> jax.Array | t
   # the row count (the same kernel for every operand shape).
   tops_shape = (grid[0], grid[1] * 16) if cfg.axis == 0 else (grid[1], grid[0] * 16)
   tile_index = (lambda i, j: (i, j)) if cfg.axis == 0 else (lambda i, j: (j, i))
-  tops = pl.pallas_call(
+  tops = common.pallas_call(
       functools.partial(_amax_kernel, cfg=cfg),
       out_shape=jax.ShapeDtypeStruct(tops_shape, jnp.int32),
       grid=grid,

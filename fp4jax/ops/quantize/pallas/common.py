@@ -131,19 +131,19 @@ def tile_elements(x_ref) -> tuple[dict, dict, dict]:
 
 @dataclasses.dataclass(frozen=True)
 class PairIndex:
-  """Positions in x of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
+  """Positions in x [M, k] of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
 
   keys: tuple
   h: int
   w: int
   k: int
+  m: int
 
   def __call__(self, pq) -> tuple[jax.Array, jax.Array]:
     p, q = pq
-    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + \
-        (pl.program_id(0) * 2 * self.h + p).astype(jnp.uint32)
-    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + \
-        (pl.program_id(1) * 2 * self.w + q).astype(jnp.uint32)
+    i, j = grid_ids((self.m // (2 * self.h), self.k // (2 * self.w)))  # `dual_view_call`'s grid
+    rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + (i * 2 * self.h + p).astype(jnp.uint32)
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + (j * 2 * self.w + q).astype(jnp.uint32)
     return rows, cols
 
 
@@ -275,6 +275,37 @@ def without_launch_digests(text: str) -> str:
   return _LAUNCH_DIGEST.sub("", text)
 
 
+def grid_ids(grid: tuple[int, ...], pid=None) -> tuple:
+  """The ids on `grid` of the program `pid` (in a kernel: `pl.program_id(0)`) of its one-axis launch
+  (`pallas_call`), the first axis fastest, as a launch on `grid` itself runs its programs. The last extent is
+  not written into the code (the decode does not need it), so `eden`'s and `amax`'s canonical launches, whose
+  grids vary with the operand's shape along their last axis only, stay the same code for every shape."""
+  rest = pl.program_id(0) if pid is None else pid
+  ids = []
+  for size in grid[:-1]:
+    ids.append(jax.lax.rem(rest, jnp.int32(size)))  # program ids are >= 0: C's remainder and quotient suffice
+    rest = jax.lax.div(rest, jnp.int32(size))
+  return (*ids, rest)
+
+
+def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs, **kwargs):
+  """`pl.pallas_call` on `grid`, launched as one axis of prod(grid) programs in the order a launch on `grid`
+  runs them (every fp4jax kernel launches so): the BlockSpecs' index maps take `grid`'s ids as always, and a
+  kernel reads its own from `grid_ids(grid)`.
+
+  Why: XLA's kernel file (`fp4jax.compiling`) records a launch's grid as its count of blocks, so a kernel that a
+  program takes from it runs on a one-axis grid of that many blocks: one launched on a [6, 8] grid ran on
+  [48, 1, 1], its second program id always 0 (wrong outputs, and writes past them: docs/BENCHMARKS.md, "H100
+  call of 2026-12-05"). On one axis, the grid XLA records is the grid it launches."""
+  def on_one_axis(spec):
+    if isinstance(spec, (list, tuple)):
+      return type(spec)(map(on_one_axis, spec))
+    return dataclasses.replace(spec, index_map=lambda pid, f=spec.index_map: f(*grid_ids(grid, pid)))
+
+  return pl.pallas_call(kernel, grid=(math.prod(grid),), in_specs=on_one_axis(in_specs),
+                        out_specs=on_one_axis(out_specs), **kwargs)
+
+
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
                    name: str, write: tuple[bool, bool] = BOTH, values: tuple[bool, bool] = (False, False)):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
@@ -299,7 +330,7 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
     outs = iter(refs[n_in:])
     kernel(*refs[:n_in], *[next(outs) if slots[i] else None for i in range(4)])
 
-  outs = iter(pl.pallas_call(
+  outs = iter(pallas_call(
       body,
       out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),

@@ -49,7 +49,7 @@ from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.spec import EDEN_GROUP, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
-from fp4jax.ops.quantize.pallas import exact
+from fp4jax.ops.quantize.pallas import common, exact
 from fp4jax.ops.quantize.pallas.common import (F32_ABS, F32_INF, as_f32, as_i32, butterfly, e2m1_magnitude,
                                                encode_rne, halving_sum, halves, launch_name, magnitude_and_sign,
                                                read_words, sign_words)
@@ -107,7 +107,8 @@ def check(x: jax.Array, spec: OperandSpec, axis: int) -> None:
     raise NotImplementedError(f"MS-EDEN kernel: {why}")
 
 
-def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, scales_per_row: int):
+def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, scales_per_row: int,
+                 grid: tuple[int, int]):
   """One [128 along the quantized axis, block_c] tile -> codes [64, block_c], scale bytes [8, block_c] (and t),
   transposed (module docstring)."""
   div = functools.partial(exact.div_rn, interpret=cfg.interpret)
@@ -135,8 +136,9 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, E4M3_MAX))  # [nb, C]
   k0, k1 = p_ref[0], p_ref[1]
-  col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (pl.program_id(1) * cols).astype(jnp.uint32)
-  blk = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 0) + (pl.program_id(0) * nb).astype(jnp.uint32)
+  group_id, column_id = common.grid_ids(grid)
+  col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (column_id * cols).astype(jnp.uint32)
+  blk = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 0) + (group_id * nb).astype(jnp.uint32)
   counter = col * jnp.uint32(cfg.scales_per_row or scales_per_row) + blk
   u24 = prng.hash_bits(k0, k1, counter + p_ref[_OFFSET_SLOT] if cfg.offset else counter) >> 8
   u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
@@ -173,8 +175,8 @@ def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
   if cfg.targets:
     out_shape.append(jax.ShapeDtypeStruct((grid[1], n_scales, bc), jnp.float32))
     out_specs.append(pl.BlockSpec((1, GROUP // BLOCK, bc), lambda i, j: (j, i, 0)))
-  return pl.pallas_call(
-      functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales),
+  return common.pallas_call(
+      functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales, grid=grid),
       out_shape=tuple(out_shape),
       grid=grid,
       in_specs=[pl.BlockSpec((_N_PARAMS,), lambda i, j: (0,)), x_spec],

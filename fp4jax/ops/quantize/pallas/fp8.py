@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from fp4jax.numerics import fp8 as encoding
 from fp4jax.numerics.qtensor import QTensor
+from fp4jax.ops.quantize.pallas import common
 from fp4jax.ops.quantize.pallas.common import launch_name
 
 KERNEL_NAME = "fp4jax_mxfp4_to_fp8"
@@ -58,7 +59,7 @@ def _call(codes: jax.Array, scales: jax.Array, tile: Fp8Tile) -> encoding.Fp8Ope
   r, nb = scales.shape
   e_row = encoding.row_exponent(scales)  # [R]
   br, bb = tile.block_r, tile.block_b
-  words = pl.pallas_call(
+  words = common.pallas_call(
       _kernel,
       out_shape=jax.ShapeDtypeStruct((r, nb, 16), jnp.uint16),
       grid=(r // br, nb // bb),

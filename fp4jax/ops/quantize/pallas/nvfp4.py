@@ -241,7 +241,7 @@ def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> No
 
 
 def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
-               k: int):
+               m: int, k: int):
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
@@ -252,7 +252,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_r
   """
   h, _, w = x_ref.shape
   bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
-  index = common.PairIndex(tuple(bits), h, w, k)
+  index = common.PairIndex(tuple(bits), h, w, k, m)
 
   offset = seed_ref[5] if cfg.offset else None
   r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding if cfg.write[0] or cfg.tile_2d else "rne",
@@ -310,9 +310,9 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
   inputs = [(seeds, pl.BlockSpec(seeds.shape, lambda i, j: (0,))),
             (prow, pl.BlockSpec((1, params.N_PARAMS), row_map)),
             (pcol, pl.BlockSpec((1, params.N_PARAMS), col_map))]
-  return common.dual_view_call(functools.partial(_nv_kernel, cfg=cfg, k=x.shape[1]), x, cfg.tile, BLOCK,
-                               inputs, interpret=cfg.interpret, name=KERNEL_NAME, write=cfg.write,
-                               values=cfg.values)
+  kernel = functools.partial(_nv_kernel, cfg=cfg, m=x.shape[0], k=x.shape[1])
+  return common.dual_view_call(kernel, x, cfg.tile, BLOCK, inputs, interpret=cfg.interpret, name=KERNEL_NAME,
+                               write=cfg.write, values=cfg.values)
 
 
 def _seeds(rounding: str, key: jax.Array | None, name: str) -> jax.Array:
