@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default="off", metavar="on|off|N",
                       help="compile a program's Pallas kernels alone, in parallel, while it lowers (on: one thread "
                            "per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the program (off); "
-                           "fp4jax.compiling, experimental: wrong results on an H100 (default: off)")
+                           "fp4jax.compiling, opt-in (default: off)")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
     summary = " ".join(module.__doc__.split("\n\n")[0].split())  # the docstring's first paragraph

@@ -51,8 +51,8 @@ H200's host one program's first call varied up to 2x between runs (docs/BENCHMAR
 
 `python -m bench --kernels-first on compile ...` (or N, on N threads) has a GPU (or `--h200 --xla`) compile take
 the Pallas kernels compiled first, alone and side by side, while the program lowers (`fp4jax.compiling`,
-experimental: wrong results on an H100; the lower column then includes waiting for them, and the row says how
-many there were); by default they compile in the program, as jax.jit does.
+opt-in; the lower column then includes waiting for them, and the row says how many there were); by default they
+compile in the program, as jax.jit does.
 
 Compiles are cold (the persistent cache is off) unless `--warm`. Each step row ends with its first call (trace +
 lower + compile: what a training run waits for before its first step), and with bf16 among the routes a last line

@@ -20,14 +20,13 @@ so (`ops.quantize.pallas.common.launch_name`); kernels of other names compile as
 Where nothing is to gain it compiles the program as `jax.jit` does: no Triton launch (CPU, interpret mode), or
 no thread to spare (`threads=0`, the default; on machines of 2 CPUs or fewer with `threads=None`).
 
-Status: experimental, off by default in `train` and `bench`. On an H100 (2026-12-05) programs compiled this way
-ran wrong: NaNs, and an input overwritten (docs/BENCHMARKS.md, "H100 call of 2026-12-05"). The cause: the file
-records a kernel's launch grid as its count of blocks, so a kernel taken from it ran on a one-axis grid of that
-many blocks where its program launched it on two axes (the programs' thunk sequences, compiled for an H200
-without a GPU, showed [48, 1, 1] where the program compiled alone launched [6, 8, 1]). fp4jax's kernels now
-launch on one axis (`ops.quantize.pallas.common.pallas_call`), which the file records whole; a program compiled
-so launches every kernel on the grid it does alone (`tests/test_compiling.py`), and the GPU check of its outputs
-is pending.
+The file records a kernel's launch grid as its count of blocks, so a kernel taken from it runs on a one-axis
+grid of that many blocks: fp4jax's kernels launch on one axis (`ops.quantize.pallas.common.pallas_call`), which
+the file records whole. Before they did, such programs ran wrong on an H100 (NaNs, an input overwritten;
+docs/BENCHMARKS.md, 2026-12-05); since, they give the bits of the program compiled alone there.
+
+Opt-in in `train` and `bench` (off by default): on an H100's 16-CPU host it saved 0-1 s of the Llama-30M steps'
+first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Session of 2026-12-05, 13:48").
 """
 
 from __future__ import annotations
@@ -49,8 +48,6 @@ import jax
 from fp4jax import platform
 
 KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
-UNVERIFIED = ("fp4jax.compiling: Pallas kernels compiled first gave wrong results on an H100 (NaNs, an input "
-              "overwritten; docs/BENCHMARKS.md, 2026-12-05): check this program's outputs against jax.jit's")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +220,7 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
   `jax.jit` does; None one per usable CPU but one, none below 2 (with one thread the kernels would compile one
   after the other, as in the program).
 
-  Experimental, and off by default: on an H100 (2026-12-05, docs/BENCHMARKS.md) programs compiled this way gave
-  NaNs and overwrote an input, since the kernel file kept only a launch grid's block count (fixed by launching
-  every kernel on one axis; module docstring). Until a GPU has run such programs again, a GPU backend warns.
+  Off by default (module docstring: what it saves).
 
   The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
   launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a
@@ -245,8 +240,6 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
   if not launches or threads <= 0:
     yield traced.lower(), {}, report
     return
-  if jax.default_backend() == "gpu":
-    warnings.warn(UNVERIFIED, stacklevel=3)
   keep = directory is not None
   if keep:
     try:

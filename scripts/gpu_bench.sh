@@ -54,7 +54,7 @@ for part in "${parts[@]}"; do
       # Issue 12's measurement: each route's first call (trace + lower + compile, cold) in fresh processes, as
       # training runs it (--scan auto), medians and ratios to bf16 printed last. 30M took 111 s with REPEAT=2.
       # KERNELS_FIRST="off on" also times them with their Pallas kernels compiled first (fp4jax.compiling;
-      # experimental, off by default: wrong results on an H100, 2026-12-05).
+      # opt-in: on an H100's 16-CPU host it saved 0-1 s of the 30M first calls, 2026-12-05).
       for preset in ${COMPILE_PRESETS:-30m 125m 1b}; do
         case "$preset" in 30m) tokens=64x512 ;; 125m) tokens=16x1024 ;; *) tokens=8x2048 ;; esac
         for kf in ${KERNELS_FIRST:-off}; do
