@@ -131,7 +131,7 @@ def tile_elements(x_ref) -> tuple[dict, dict, dict]:
 
 @dataclasses.dataclass(frozen=True)
 class PairIndex:
-  """Positions in x [M, k] of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
+  """Positions in x [m, k] of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
 
   keys: tuple
   h: int
