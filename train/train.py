@@ -605,13 +605,17 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   """The saved result row when run.out_dir holds this run finished, else None (train, from its checkpoint if any).
 
   Fails with a UserError, before any work, when the checkpoint there cannot continue this config: run.resume is
-  false, a result-relevant setting differs from the run that wrote it, or it is past run.steps.
+  false, a result-relevant setting differs from the run that wrote it, or it is past run.steps. A finished run
+  whose checkpoints were deleted since (to free the disk) is finished too: its result is reported, or refused
+  on the same terms, not trained over.
   """
   r = cfg.run
   steps = checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))
-  if not steps:
+  result = os.path.join(r.out_dir, RESULT_FILE)
+  if not steps and not os.path.exists(result):
     return None
-  held = f"{r.out_dir} holds a run checkpointed at step {steps[-1]}"
+  held = (f"{r.out_dir} holds a run checkpointed at step {steps[-1]}" if steps else
+          f"{r.out_dir} holds a finished run ({RESULT_FILE}, no checkpoint)")
   if not r.resume:
     raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
   saved_cfg, saved = os.path.join(r.out_dir, "config.yaml"), {}
@@ -628,14 +632,13 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
     if changed:
       raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
                       f"settings")
-  if steps[-1] > r.steps:
+  if steps and steps[-1] > r.steps:
     raise UserError(f"{held}, past run.steps={r.steps}: use another run.out_dir for a shorter run")
   saved_steps = (saved.get("run") or {}).get("steps", r.steps)
   if saved_steps != r.steps:  # the learning-rate schedule spans run.steps: resuming would switch schedules
     raise UserError(f"{held} of a run.steps={saved_steps} learning-rate schedule; run.steps={r.steps} would go on "
                     f"along another one: use another run.out_dir for a longer run")
-  result = os.path.join(r.out_dir, RESULT_FILE)
-  if steps[-1] == r.steps and os.path.exists(result):
+  if (not steps or steps[-1] == r.steps) and os.path.exists(result):
     with open(result) as f:
       return json.load(f)
   return None

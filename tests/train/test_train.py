@@ -97,6 +97,24 @@ def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
     train.run(config.replace(cfg, run={"out_dir": str(cut), "steps": 12}), TOKENS, TOKENS[:2000], 257)
 
 
+def test_a_finished_run_whose_checkpoints_were_deleted_reports_its_result(tmp_path):
+  """Deleting a finished run's checkpoints (to free the disk) leaves its result: a rerun reports it instead of
+  training over it, and refuses other settings or run.resume=false in one line, as it does with them."""
+  cfg = tiny_cfg(tmp_path, "run.steps=4")
+  full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  ckpt = os.path.join(cfg.run.out_dir, "ckpt")
+  shutil.rmtree(ckpt)
+  again = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  assert again["losses"] == {} and again["train_loss"] == full["train_loss"] and not os.path.exists(ckpt)
+  with pytest.raises(UserError, match=r"holds a finished run \(result.json, no checkpoint\) with other settings"):
+    train.run(config.replace(cfg, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
+  with pytest.raises(UserError, match=r"holds a finished run .* and run.resume=false"):
+    train.run(config.replace(cfg, run={"resume": False}), TOKENS, TOKENS[:2000], 257)
+  with pytest.raises(UserError, match=r"of a run.steps=4 learning-rate schedule; run.steps=6 would go on"):
+    train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
+  assert not os.path.exists(ckpt)  # nothing trained
+
+
 def test_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, capsys):
   """A run that left no checkpoint (ckpt_every 0, stopped early) is not continued: its log moves to
   previous-<time>/ instead of mixing into the new run's curve, and nothing of it is deleted."""
