@@ -612,7 +612,8 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   r = cfg.run
   steps = checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))
   result = os.path.join(r.out_dir, RESULT_FILE)
-  if not steps and not os.path.exists(result):
+  finished = os.path.exists(result)
+  if not steps and not finished:
     return None
   held = (f"{r.out_dir} holds a run checkpointed at step {steps[-1]}" if steps else
           f"{r.out_dir} holds a finished run ({RESULT_FILE}, no checkpoint)")
@@ -638,7 +639,7 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   if saved_steps != r.steps:  # the learning-rate schedule spans run.steps: resuming would switch schedules
     raise UserError(f"{held} of a run.steps={saved_steps} learning-rate schedule; run.steps={r.steps} would go on "
                     f"along another one: use another run.out_dir for a longer run")
-  if (not steps or steps[-1] == r.steps) and os.path.exists(result):
+  if finished and (not steps or steps[-1] == r.steps):
     with open(result) as f:
       return json.load(f)
   return None

@@ -25,7 +25,6 @@ from jax.experimental.pallas import triton as pltriton
 from fp4jax.numerics import fp8 as encoding
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.ops.quantize.pallas import common
-from fp4jax.ops.quantize.pallas.common import launch_name
 
 KERNEL_NAME = "fp4jax_mxfp4_to_fp8"
 _BLOCK = 32  # MXFP4 elements per scale
@@ -69,7 +68,7 @@ def _call(codes: jax.Array, scales: jax.Array, tile: Fp8Tile) -> encoding.Fp8Ope
       out_specs=pl.BlockSpec((br, bb, 16), lambda i, j: (i, j, 0)),
       compiler_params=pltriton.CompilerParams(num_warps=tile.num_warps),
       interpret=tile.interpret,
-      name=launch_name(KERNEL_NAME, tile, codes.shape, scales.shape),
+      name=common.launch_name(KERNEL_NAME, tile, codes.shape, scales.shape),
   )(codes.reshape(r, nb, 16), scales, e_row[:, None])
   values = encoding.words_to_values(words, r, 32 * nb)  # [R, K]
   return encoding.Fp8Operand(values, encoding.row_factors(scales, e_row))
