@@ -135,14 +135,23 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
 
   def forward(h, stacked, invariants):
     first = jnp.int32(first_layer)  # traced, as in the loop, so that the same residuals are kept
-    avals = jax.eval_shape(lambda *a: layer(*a)[1], h, read(stacked, 0), invariants, first)
+    specs = []
+
+    def residuals(*args):
+      stored = layer(*args)[1]
+      # Each stack's sharding from the traced value: eval_shape gives some outputs none (cuDNN's attention, a
+      # pure_callback) where the value has the context's mesh, and the stack must match what is written into it.
+      specs[:] = [_spec(x, stacked=True) for x in stored]
+      return stored
+
+    avals = jax.eval_shape(residuals, h, read(stacked, 0), invariants, first)
 
     def step(i, carry):
       h, stacks = carry
       h, stored = layer(h, read(stacked, i), invariants, first_layer + i)
       return h, _write(stacks, stored, i)
 
-    stacks = [_empty((length, *a.shape), a.dtype, _spec(a, stacked=True)) for a in avals]
+    stacks = [_empty((length, *a.shape), a.dtype, spec) for a, spec in zip(avals, specs)]
     h, stacks = jax.lax.fori_loop(0, length, step, (h, stacks))
     return h, (stacks, stacked, invariants)
 

@@ -104,14 +104,36 @@ def test_run_layers_runs_under_a_mesh_of_explicit_axes():
   # Under a mesh of explicit axes every value computed in the loop carries the mesh; the stacks they are
   # written into must carry it too (lax.empty takes none from the context), or dynamic_update_slice refuses
   # to write (`bench compile --h200` lowered a scanned step so). The gradients are those of no mesh.
+  _assert_same_gradients_under_explicit_axes(
+      jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("z")))
+
+
+def _assert_same_gradients_under_explicit_axes(body):
+  """run_layers' value and gradients under a one-device mesh of explicit axes equal those of no mesh."""
   mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
-  saved_z = jax.checkpoint(_body, policy=jax.checkpoint_policies.save_only_these_names("z"))
-  want = _value_and_grads(scan.run_layers, saved_z)
+  want = _value_and_grads(scan.run_layers, body)
   with jax.set_mesh(mesh):
-    got = _value_and_grads(scan.run_layers, saved_z)
+    got = _value_and_grads(scan.run_layers, body)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     if g.dtype != jax.dtypes.float0:
       np.testing.assert_array_equal(g, w)
+
+
+def test_run_layers_stacks_a_residual_whose_shape_has_no_sharding_under_explicit_axes():
+  # `jax.eval_shape` gives some primitives' outputs no sharding where the traced value has one: cuDNN's
+  # attention (`bench compile --step 30m --scan auto --h200` with JAX's CUDA plugin installed) and a
+  # pure_callback, whose output is saved here. A stack made from that shape had no mesh, and writing the value
+  # into it failed under a mesh of explicit axes.
+  def doubled(x):
+    return jax.pure_callback(lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  @jax.custom_vjp
+  def double(x):
+    return doubled(x)
+
+  double.defvjp(lambda x: (doubled(x), None), lambda _, g: (2 * g,))
+  _assert_same_gradients_under_explicit_axes(
+      lambda h, params, invariants, layer: jnp.tanh(double(h) * params["b"]))  # saves double(h)
 
 
 _SPLIT_OVER_EXPLICIT_AXES = """
