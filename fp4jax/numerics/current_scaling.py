@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.numerics import ieee
+from fp4jax.numerics import ieee, quantize_args
 from fp4jax.numerics.formats import FormatSpec
 from fp4jax.numerics.qtensor import QTensor
 
@@ -65,7 +65,7 @@ def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne"
     amax = jnp.max(jnp.abs(xk), initial=0.0)
     amax = jnp.where(jnp.all(jnp.isfinite(xk)), amax, jnp.nan)
   else:
-    amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
+    amax = quantize_args.amax_value(tensor_amax)
   s = encode_factor(jnp.where(jnp.isfinite(amax), amax, jnp.nan), element.max)  # NaN for a non-finite amax
   values = jnp.clip(xk * s, -element.max, element.max).astype(element.dtype)
   outer = ieee.div(np.float32(1.0), s, b_normal=True)  # NaN where s is; s >= fp8_max / float32 max: normal

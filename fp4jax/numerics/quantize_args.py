@@ -78,8 +78,24 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
       raise ValueError(f"{scale_rule=} and {clip_fraction=} apply to mxfp4 only, not fmt={spec.name!r}")
     if tensor_amax is not None and spec.outer != "tensor":
       raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
+  if clip_fraction is not None and not _is_number(clip_fraction, (int, float, np.integer, np.floating)):
+    raise TypeError(f"quantize's clip_fraction takes a number in (0, 1] or None, got {clip_fraction!r}")
   if clip_fraction is not None and not 0 < clip_fraction <= 1:
     raise ValueError(f"{clip_fraction=} must lie in (0, 1]")
+  if not _is_number(tile_rows, (int, np.integer)):  # 2.5 or True would silently mean 2 or 1 rows
+    raise TypeError(f"quantize's tile_rows takes an int, got {tile_rows!r}")
   if tile_rows < 1:
     raise ValueError(f"{tile_rows=} must be positive")
   return Cfg(spec, axis, rounding, scale_rule, bool(tile_2d), clip_fraction, int(tile_rows))
+
+
+def _is_number(v, types: tuple[type, ...]) -> bool:
+  return isinstance(v, types) and not isinstance(v, (bool, np.bool_))
+
+
+def amax_value(tensor_amax) -> jax.Array:
+  """A passed `tensor_amax` as the float32 scalar the quantizers scale with: NaN unless it is a finite number
+  >= 0, so that an infinite or negative amax (a traced value: it cannot be refused here) makes its tensor NaN,
+  as a non-finite element of x does, instead of scaling it by 0 or a negative factor."""
+  amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
+  return jnp.where(jnp.isfinite(amax) & (amax >= 0), amax, jnp.nan)

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.numerics import current_scaling, ieee, prng
+from fp4jax.numerics import current_scaling, ieee, prng, quantize_args
 from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr, e4m3_rn, e4m3_sr
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, MX_E_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
@@ -161,7 +161,7 @@ def _quantize_mx(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
 def _tensor_amax(xk: jax.Array, cfg: _Cfg, tensor_amax) -> jax.Array:
   """One amax for the whole tensor: shape ()."""
   if tensor_amax is not None:
-    return jnp.asarray(tensor_amax, jnp.float32).reshape(())
+    return quantize_args.amax_value(tensor_amax)
   return _amax(xk)
 
 
@@ -277,7 +277,7 @@ def eden_decode_scale(amax: jax.Array) -> jax.Array:
 def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """MS-EDEN up to the scale's SR: (codes [..., nb, B], t [..., nb], s_dec, bad [..., nb]) (module docstring)."""
   lead, nb = xb.shape[:-2], xb.shape[-2]
-  amax = _amax(xb) if tensor_amax is None else jnp.asarray(tensor_amax, jnp.float32).reshape(())
+  amax = _amax(xb) if tensor_amax is None else quantize_args.amax_value(tensor_amax)
   s_dec = eden_decode_scale(amax)
   per_group = EDEN_GROUP // xb.shape[-1]
   bad = jnp.any(~jnp.isfinite(xb), axis=-1)  # [..., nb]
@@ -329,7 +329,8 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
     tile_2d: 2-D inputs only: one scale per block x block tile, the same for both orientations.
     clip_fraction: mxfp4 only: Hu's bounded clipping (0.87), one exponent finer when amax / (6 * 2^E) is below it.
     tile_rows: rows per tile of "nvfp4_tile".
-    tensor_amax: a precomputed amax for the tensor scale (global NVFP4 / EDEN); computed from `x` when None.
+    tensor_amax: a precomputed amax for the tensor scale (global NVFP4 / EDEN); computed from `x` when None. One
+      that is infinite, NaN or negative makes the tensor NaN (`quantize_args.amax_value`).
 
   Returns:
     QTensor with K-major codes `[..., n // 2]`, scales `[..., n // block]` and the format's outer factor.

@@ -432,6 +432,9 @@ def test_invalid_calls(call, match):
     (lambda x: ref.quantize(np.asarray(x).tolist(), "mxfp4"), r"takes an array, got a list"),
     (lambda x: ref.quantize(x, "mxfp4", tile_2d="no"), "tile_2d takes True or False, got 'no'"),  # was True
     (lambda x: ref.dequantize(x), r"takes a QTensor \(from quantize\), got an array of shape \(64, 64\)"),
+    (lambda x: ref.quantize(x, "nvfp4_tile", tile_rows=2.5), "tile_rows takes an int, got 2.5"),  # was 2 rows
+    (lambda x: ref.quantize(x, "nvfp4_tile", tile_rows=True), "tile_rows takes an int, got True"),
+    (lambda x: ref.quantize(x, "mxfp4", clip_fraction="0.87"), "clip_fraction takes a number .* got '0.87'"),
 ])
 def test_invalid_call_types(call, match):
   with pytest.raises(TypeError, match=match):
@@ -475,3 +478,19 @@ def test_nvfp4_encodes_in_transformer_engines_order():
   q = ref.quantize(jnp.asarray(x), "nvfp4")
   assert float(q.scales.astype(jnp.float32)[0, 1]) == 3.5
   assert float(ref.e2m1_decode(q.unpacked_codes())[0, 17]) == 0.5
+
+
+@pytest.mark.parametrize("amax", [float("inf"), float("nan"), -1.0])
+@pytest.mark.parametrize("fmt,opts", [("nvfp4", {}), ("nvfp4_46", {}), ("nvfp4", {"rounding": "eden", "key": KEY}),
+                                      ("fp8_e4m3", {})])
+def test_a_given_tensor_amax_that_is_no_finite_magnitude_makes_the_tensor_nan(fmt, opts, amax):
+  """An infinite, NaN or negative `tensor_amax` (a traced value, so not refused) is a non-finite amax: outer NaN,
+  every scale NaN with zero codes, as a non-finite element gives (docs/NUMERICS.md "Special values"), where an
+  infinite one gave S_enc = 0, an infinite outer and zero scales, and a negative one finite values."""
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 256)), jnp.float32)
+  q = ref.quantize(x, fmt, tensor_amax=jnp.float32(amax), **opts)
+  assert np.isnan(float(q.outer))
+  if q.scales is not None:
+    assert np.isnan(np.asarray(q.scales, np.float32)).all()
+    assert not np.asarray(q.codes).any()
+  assert np.isnan(np.asarray(ref.dequantize(q))).all()

@@ -74,9 +74,10 @@ def test_tiny_and_huge_tensors(scale):
   _check(jnp.asarray(x), 0)
 
 
-@pytest.mark.parametrize("amax", [0.5, 1e-3])
+@pytest.mark.parametrize("amax", [0.5, 1e-3, float("inf"), -1.0])
 def test_given_tensor_amax(amax):
-  """A given (e.g. delayed) amax below the true one: s_b clamps at 448, |ys| beyond 6 saturates."""
+  """A given (e.g. delayed) amax below the true one: s_b clamps at 448, |ys| beyond 6 saturates; one that is
+  infinite or negative makes the tensor NaN (`quantize_args.amax_value`)."""
   _check(jnp.asarray(INPUTS["normal"](np.random.default_rng(9), (128, 32))), 0, tensor_amax=jnp.float32(amax))
 
 

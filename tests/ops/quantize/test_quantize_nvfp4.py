@@ -89,7 +89,7 @@ def test_tile_2d_nonfinite(amax_given):
   assert nan_tiles.sum() == (nan_tiles.size if amax_given is None else 2)  # [0:16, 16:32], [32:48, 80:96]
 
 
-@pytest.mark.parametrize("tensor_amax", [4.0, 1e-30, float("inf")])
+@pytest.mark.parametrize("tensor_amax", [4.0, 1e-30, float("inf"), float("nan"), -1.0])
 def test_given_tensor_amax(tensor_amax):
   """A caller's amax: NaN / Inf blocks alone get NaN scales; a stale small amax saturates at 448 and 6."""
   x = _bf16(INPUTS["nonfinite"](np.random.default_rng(9), SHAPE))

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax.numerics import hadamard, prng, reference
+from fp4jax.numerics import hadamard, prng, quantize_args, reference
 from fp4jax.numerics.codecs import e4m3_rn_bytes, e4m3_sr_bytes
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.numerics.qtensor import QTensor
@@ -226,7 +226,7 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
   if tensor_amax is None:
     amax = amax_lib.rotated_amax(x, transform, transform_key, axis=axis, interpret=interpret, words=words)
   else:
-    amax = jnp.asarray(tensor_amax, jnp.float32).reshape(())
+    amax = quantize_args.amax_value(tensor_amax)
   if amax_over and tensor_amax is None:
     amax = amax_lib.over_devices(amax, amax_over)
   s_dec = reference.eden_decode_scale(amax)

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from fp4jax.numerics import hadamard, prng
+from fp4jax.numerics import hadamard, prng, quantize_args
 from fp4jax.numerics.codecs import e4m3_rn_bytes
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
 from fp4jax.numerics.qtensor import QTensor, Quantized, ScaledValues
@@ -413,7 +413,7 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
       col_amax, row_amax = amaxes if write_row else (amaxes, amaxes)  # a view not written: any parameters do
     else:
       row_amax = col_amax = (amax_lib.bf16_amax(x) if tensor_amax is None else
-                             jnp.asarray(tensor_amax, jnp.float32).reshape(()))
+                             quantize_args.amax_value(tensor_amax))
     if amax_over and tensor_amax is None:  # the whole array's
       row_amax, col_amax = (amax_lib.over_devices(a, amax_over) for a in (row_amax, col_amax))
   else:
