@@ -81,8 +81,9 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     key: one JAX PRNG key (typed, or raw uint32[2]); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
     impl: an `fp4jax.Impl` (quantizer implementation, GEMM backend); None is `Impl()`: the fastest for the
       device. The numbers do not depend on it.
-    out_dtype: the result's dtype (default x.dtype), written straight from the float32 accumulator, e.g.
-      float32 logits from bf16 inputs; a floating-point dtype (an integer one would truncate). Gradients keep x's
+    out_dtype: the result's dtype (default x.dtype), written straight from the float32 accumulator (one
+      rounding, every route), e.g. float32 logits from bf16 inputs; a floating-point dtype of 16 bits or more (an
+      integer one would truncate, a float8 one overflow to NaN), so float8 operands need one. Gradients keep x's
       and w's dtypes.
   Any M, K, N: where the route needs whole blocks (`padding_multiples`), x and w are zero-padded inside and
   the result sliced back, forward and backward, which is exact; the padded work costs its share of time.
@@ -108,6 +109,9 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     raise TypeError(f"fp4_dot's impl= takes an fp4jax.Impl(quantizer=..., gemm=...), got {impl!r}")
   if out_dtype is not None:
     out_dtype = check_out_dtype(out_dtype, "fp4_dot's out_dtype=")
+  elif x.dtype.itemsize < 2:  # the default, x's dtype, would turn results past its range into NaN
+    raise ValueError(f"fp4_dot writes its result in x's dtype, {x.dtype}, where an 8-bit float would turn values "
+                     f"past its range into NaN: pass out_dtype= (jnp.bfloat16, jnp.float32, ...)")
   if key is not None:
     prng.check_key(key, "fp4_dot")
   elif route.needs_key:
@@ -147,41 +151,55 @@ def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:
 
 
 def _high_precision_dot(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-  """x @ w unquantized. With an out_dtype wider than x's and w's common dtype (float32 logits from bf16
-  operands), the backward GEMMs read the cotangent rounded to that dtype (`_wide_out_dot`)."""
-  if out_dtype is None:
-    return jnp.dot(x, w).astype(x.dtype)
-  if x.dtype == w.dtype and np.dtype(out_dtype).itemsize > x.dtype.itemsize:
-    x, w = _vary_alike(x, w)
-    return _wide_out_dot(np.dtype(out_dtype), x, w)
-  return jnp.dot(x, w, preferred_element_type=out_dtype)
+  """x @ w unquantized, the float32 (or wider) accumulator rounded once to out_dtype (default: x's dtype, which
+  JAX's own dot rounds to). Another out_dtype goes through `_rounded_dot`, whose backward GEMMs read the cotangent
+  in the operands' dtype where that holds float32's range."""
+  out_dtype = x.dtype if out_dtype is None else out_dtype
+  # float8 operands widened (exactly): JAX promotes no 8-bit float implicitly, not even against bf16
+  x, w = (a.astype(jnp.float32) if a.dtype.itemsize == 1 else a for a in (x, w))
+  if out_dtype == x.dtype:
+    return jnp.dot(x, w).astype(out_dtype)
+  x, w = _vary_alike(x, w)
+  return _rounded_dot(np.dtype(out_dtype), x, w)
+
+
+def _accumulator(*arrays: jax.Array) -> np.dtype:
+  """The dtype a product of `arrays` accumulates in: their common dtype, at least float32."""
+  return np.dtype(jnp.promote_types(jnp.result_type(*arrays), jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _wide_out_dot(out_dtype: np.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., K] @ w [K, N] accumulated and returned in out_dtype, from bf16 (say) operands. The cotangent, in
-  out_dtype, is rounded to the operands' dtype before the two backward GEMMs, as a bf16 output's would be:
-  left to JAX's own rule, a float32 cotangent times a bf16 operand becomes a float32 x float32 GEMM (TF32 on
-  Hopper): the Llama-1B lm_head's two gradient GEMMs took 24.8 ms per step on an H200, all three of its GEMMs
-  13.5 ms once bf16 (docs/BENCHMARKS.md)."""
-  return jnp.dot(x, w, preferred_element_type=out_dtype)
+def _rounded_dot(out_dtype: np.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., K] @ w [K, N] accumulated in float32 (or the operands' wider dtype) and rounded once to out_dtype.
+  Not `preferred_element_type=out_dtype`: for an out_dtype narrower than the operands' XLA rounds the operands to
+  it before the dot.
+
+  The backward rounds the cotangent (in out_dtype) to the operands' common dtype before its two GEMMs, as a
+  bf16 output's would be, wherever that dtype's range holds the cotangent's (bf16, float32): left to JAX's own
+  rule, a float32 cotangent times a bf16 operand becomes a float32 x float32 GEMM (TF32 on Hopper): the
+  Llama-1B lm_head's two gradient GEMMs (float32 logits) took 24.8 ms per step on an H200, all three of its
+  GEMMs 13.5 ms once bf16 (docs/BENCHMARKS.md). float16 operands would overflow past 65504, so they keep the
+  cotangent's dtype."""
+  return jnp.dot(x, w, preferred_element_type=_accumulator(x, w)).astype(out_dtype)
 
 
-def _wide_out_dot_fwd(out_dtype, x, w):
-  return _wide_out_dot(out_dtype, x, w), (x, w)
+def _rounded_dot_fwd(out_dtype, x, w):
+  return _rounded_dot(out_dtype, x, w), (x, w)
 
 
-def _wide_out_dot_bwd(out_dtype, res, g):
+def _rounded_dot_bwd(out_dtype, res, g):
   del out_dtype
   x, w = res
-  g = g.astype(x.dtype)  # [..., N]
+  common = jnp.result_type(x, w)
+  if jnp.finfo(common).maxexp >= jnp.finfo(g.dtype).maxexp:
+    g = g.astype(common)  # [..., N]
   lead = tuple(range(x.ndim - 1))
-  dx = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)  # [..., K]
-  dw = jnp.tensordot(x, g, axes=(lead, lead), preferred_element_type=jnp.float32).astype(w.dtype)  # [K, N]
+  dx = jnp.dot(g, w.T, preferred_element_type=_accumulator(g, w)).astype(x.dtype)  # [..., K]
+  dw = jnp.tensordot(x, g, axes=(lead, lead), preferred_element_type=_accumulator(x, g)).astype(w.dtype)  # [K, N]
   return dx, dw
 
 
-_wide_out_dot.defvjp(_wide_out_dot_fwd, _wide_out_dot_bwd)
+_rounded_dot.defvjp(_rounded_dot_fwd, _rounded_dot_bwd)
 
 
 # `checkpoint_name` of the residuals (module docstring).

@@ -577,6 +577,50 @@ def test_bf16_route_float32_out_backward_is_bf16_gemms():
   assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [
+    (jnp.bfloat16, jnp.float32, jnp.bfloat16),  # x's own dtype, passed: the default's bits
+    (jnp.float32, jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float16),
+    (jnp.float16, jnp.float16, jnp.bfloat16)])
+def test_bf16_route_rounds_the_float32_accumulator_once_to_out_dtype(x_dtype, w_dtype, out_dtype):
+  """Any out_dtype is the float32 accumulator rounded once, as for the FP4 routes. `preferred_element_type=
+  out_dtype` had XLA round the operands to out_dtype first: passing x's own dtype changed 1683 of 4096 outputs."""
+  kx, kw = jax.random.split(jax.random.key(11))
+  x = jax.random.normal(kx, (16, 1024), x_dtype)
+  w = jax.random.normal(kw, (1024, 64), w_dtype)
+  want = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+  got = fp4_dot(x, w, route="bf16", out_dtype=out_dtype)
+  assert got.dtype == out_dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_bf16_route_float16_operands_keep_a_wide_cotangent():
+  """float16 operands with float32 out: the backward reads the cotangent in float32, not rounded to float16,
+  where a cotangent past 65504 became inf and the gradients inf and NaN (a plain dot's are finite)."""
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = (jax.random.normal(kx, (4, 32)) * 1e-3).astype(jnp.float16)
+  w = (jax.random.normal(kw, (32, 8)) * 1e-3).astype(jnp.float16)
+  c = jnp.zeros((4, 8), jnp.float32).at[:, 0].set(1e5)
+  grads = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * c), argnums=(0, 1))(x, w)
+  got = grads(lambda x, w: fp4_dot(x, w, route="bf16", out_dtype=jnp.float32))
+  want = grads(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+  for g, ww in zip(got, want):
+    assert g.dtype == jnp.float16 and np.isfinite(np.asarray(g, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ww, np.float32), rtol=2e-3)
+
+
+@pytest.mark.parametrize("route", ["bf16", "mxfp4_rtn"])
+def test_float8_operands_need_an_out_dtype(route):
+  """The result defaults to x's dtype, and a float8 result turns values past its range into NaN (all 32 of a
+  product of E4M3 operands did), as `out_dtype=float8` would and is refused for."""
+  x = jnp.full((4, 64), 16.0, jnp.float8_e4m3fn)
+  w = jnp.full((64, 8), 16.0, jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="x's dtype, float8_e4m3fn.*pass out_dtype="):
+    fp4_dot(x, w, route=route)
+  y = fp4_dot(x, w, route=route, out_dtype=jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16 and np.isfinite(np.asarray(y, np.float32)).all()
+
+
 @pytest.mark.parametrize("route", ["bf16", "mxfp4", "nvfp4"])
 def test_out_dtype_float32_is_the_accumulator_and_keeps_grad_dtypes(route):
   """out_dtype=float32 returns the unrounded float32 result (rounding it gives the default bf16 output);
