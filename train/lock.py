@@ -43,9 +43,10 @@ class RunLock:
     os.lseek(self._fd, 0, os.SEEK_SET)
     text = os.read(self._fd, 4096).decode(errors="replace")
     try:
-      return json.loads(text) if text.strip() else {}
+      record = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError:
-      return {"pid": "?", "host": "?", "unreadable": text[:80]}
+      record = None
+    return record if isinstance(record, dict) else {"unreadable": text[:80]}
 
   def acquire(self) -> None:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -64,6 +65,14 @@ class RunLock:
       locked = False
       self.log.write(f"[train] warning: cannot lock {self.path} ({e.strerror}); checking its recorded pid only\n")
     holder = self._holder()  # what a run that did not release the lock left behind
+    if "unreadable" in holder:  # no record of ours (a hand-edited or damaged file)
+      if not locked:
+        self._close()
+        raise UserError(f"{self.path} holds no lock record ({holder['unreadable']!r}) and this file system cannot "
+                        f"lock it; if no run uses {os.path.dirname(self.path)}, delete {self.path}")
+      self.log.write(f"[train] warning: taking over {self.path}, which held no lock record "
+                     f"({holder['unreadable']!r}) and no process holds\n")
+      holder = {}
     if holder.get("host") not in (None, host):
       self._close()
       raise UserError(f"{self.path} records a run of pid {holder.get('pid')} on host {holder.get('host')}, which "

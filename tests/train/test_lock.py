@@ -41,6 +41,17 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     lock.RunLock(str(tmp_path)).acquire()
 
 
+@pytest.mark.parametrize("content", ["12345", "[1, 2]", "garbage", "{bad"])
+def test_a_lock_file_without_a_record_is_taken_over_when_no_process_holds_it(tmp_path, content):
+  """A LOCK holding no record of ours (a bare pid, a list: an AttributeError traceback before; text: refused
+  for good, as "pid ? on host ?") is free when flock says no process holds it."""
+  (tmp_path / "LOCK").write_text(content)
+  log = io.StringIO()
+  with lock.RunLock(str(tmp_path), log=log) as held:
+    assert json.loads((tmp_path / "LOCK").read_text())["host"] == socket.gethostname()
+  assert f"taking over {held.path}, which held no lock record ({content!r})" in log.getvalue()
+
+
 def test_cli_refuses_a_busy_out_dir_at_once(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("trained on a locked out_dir"))
   with lock.RunLock(str(tmp_path / "run")):
