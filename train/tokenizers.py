@@ -98,8 +98,12 @@ class GPT2Tokenizer:
     for p in (enc_json, bpe):
       if not os.path.isfile(p):
         raise UserError(f"GPT-2 tokenizer needs {p} (set data.tokenizer_path to the directory)")
-    with _no_tiktoken_cache():
-      ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=bpe, encoder_json_file=enc_json)
+    try:
+      with _no_tiktoken_cache():
+        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=bpe, encoder_json_file=enc_json)
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as err:  # tiktoken's parse of them
+      raise UserError(f"the GPT-2 tokenizer files in {path} are damaged ({type(err).__name__}: "
+                      f"{str(err)[:100]}): fetch encoder.json and vocab.bpe again") from err
     self.eos_id = len(ranks)  # 50256
     self._enc = tiktoken.Encoding(name="gpt2-local", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
                                   special_tokens={"<|endoftext|>": self.eos_id})
@@ -127,7 +131,10 @@ class SentencePieceTokenizer:
                         "(pip install sentencepiece); it is not a default dependency") from None
     if not os.path.isfile(path):
       raise UserError(f"SentencePiece model {path!r} not found (set data.tokenizer_path)")
-    self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as err:
+      raise UserError(f"SentencePiece model {path!r} cannot be read ({str(err)[:100]})") from err
     self.vocab_size = self._sp.get_piece_size()
     self.eos_id = self._sp.eos_id()
     if not 0 <= self.eos_id < self.vocab_size:  # SentencePiece says -1 when the model has no eos piece

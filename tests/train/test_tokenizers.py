@@ -80,3 +80,14 @@ def test_sentencepiece_without_eos_is_rejected(tmp_path, monkeypatch):
 def test_unknown_kind():
   with pytest.raises(UserError, match=r"unknown tokenizer kind='bpe'.*'byte'"):
     tokenizers.get_tokenizer("bpe")
+
+
+@pytest.mark.parametrize("encoder,bpe", [("{bad", "#version: 0.2\na b\n"), ("[]", "#version: 0.2\na b\n"),
+                                         ('{"a": 0}', "garbage")])
+def test_damaged_gpt2_files_are_one_line(tmp_path, encoder, bpe):
+  """Truncated or foreign tokenizer files (a download cut short) are a user's fix, not a traceback from
+  tiktoken's parser (a JSONDecodeError, an AttributeError or an AssertionError before)."""
+  (tmp_path / "encoder.json").write_text(encoder)
+  (tmp_path / "vocab.bpe").write_text(bpe)
+  with pytest.raises(UserError, match=rf"the GPT-2 tokenizer files in {tmp_path} are damaged .*fetch encoder.json"):
+    tokenizers.get_tokenizer("gpt2", str(tmp_path))
