@@ -48,7 +48,7 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, compiling, platform
-from train import train as train_lib
+from train import metrics, train as train_lib
 from train.errors import UserError
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
@@ -171,15 +171,6 @@ def flops_per_token(cfg, seq: int) -> float:
   return 6 * matmul_params + 6 * cfg.n_layers * seq * cfg.dim
 
 
-def planned_bytes(compiled) -> int | None:
-  """XLA's memory plan for a compiled call: arguments + outputs + temporaries - aliased (donated) bytes."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return None
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes)
-
-
 def _is_oom(err: Exception) -> bool:
   text = str(err)
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
@@ -204,7 +195,7 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
                                      f"{'scan_' + args.scan_saves if scan else 'unrolled'}_{route}.hlo.txt")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(compiled.as_text())
-  row["memory_bytes"] = planned_bytes(compiled)
+  row["memory_bytes"] = metrics.planned_bytes(compiled)
   t0 = time.perf_counter()
   init = platform.compile_initializer(create)
   t1 = time.perf_counter()

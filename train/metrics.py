@@ -165,6 +165,16 @@ def plot_losses(curves: dict[str, list[dict[str, Any]]], path: str, title: str =
   return True
 
 
+def planned_bytes(compiled) -> int | None:
+  """XLA's memory plan for a compiled call: arguments + outputs + temporaries - aliased (donated) bytes (None
+  where the backend gives no plan)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
 TABLE_COLUMNS = ("route", "steps", "train loss", "held-out loss", "held-out ppl", "tok/s", "compile", "first step",
                  "peak mem", "status")
 

@@ -25,8 +25,8 @@ one step more), and run.out_dir = <the config's run.out_dir>/<name>-seed<seed>: 
 run (checkpoints, metrics, not committed). run.steps and run.routes must not be set: the study sets them.
 
 When a run finishes, its record goes to <results>/runs/<name>-seed<seed>.json: the settings, the final train and
-held-out loss, throughput, compile and first-step time, peak memory, date, git commit (or $FP4JAX_COMMIT where
-the tree has no git), device, and its logged train-loss curve subsampled to <= curve_points points. A run whose
+held-out loss, throughput, compile and first-step time, the step's planned memory, date, git commit (or
+$FP4JAX_COMMIT where the tree has no git), device, and its logged train-loss curve subsampled to <= curve_points points. A run whose
 record exists is not run again, so a study goes on across processes, machines and sessions (one run per call
 with --only); a run cut short resumes from the checkpoint in its scratch directory if that is still there. Every
 record is checked against its run's config first (`study_records`: other settings stop the call). A run

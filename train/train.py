@@ -37,6 +37,7 @@ import resource
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -146,8 +147,7 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
   for _, sub in route_configs(cfg):
-    route_rules(sub, lcfg.n_layers)
-  check_kernels(cfg)
+    check_kernels(sub, route_rules(sub, lcfg.n_layers))
   mesh = check_mesh(cfg)
   for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
     check_param_sharding(sub, lcfg, mesh)
@@ -156,14 +156,27 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
     data.resolve_sources(cfg.data.eval_sources, "data.eval_sources")
   for what, path in (("run.out_dir", cfg.run.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
     check_writable_dir(path, what)
+  for name, sub in route_configs(cfg) if cfg.run.routes else ():  # compare mode's out_dir/<route>
+    check_writable_dir(sub.run.out_dir, f"run.out_dir of route {name}")
   return tok
 
 
-def check_kernels(cfg: config_lib.Config) -> None:
-  """Fails with a UserError if `kernels` asks for what this JAX backend cannot run (`Impl.resolved`: the Pallas
-  kernels compiled for a GPU on another backend), which fp4_dot would otherwise find only when compiling."""
+def check_kernels(cfg: config_lib.Config, rules) -> None:
+  """Fails with a UserError if `kernels` asks for what this JAX backend cannot run, which fp4_dot would otherwise
+  find only when compiling: the Pallas kernels compiled for a GPU on another backend (`Impl.resolved`), or a GEMM
+  backend that cannot multiply the operands of a route the rules use (e.g. `native` and the fp8 route), found by
+  tracing one small fp4_dot forward and backward per route."""
+  from fp4jax import fp4_dot
+  from fp4jax.dot import padding_multiples
+  impl = cfg.kernels.impl()
+  routes = {rules.default, *(route for _, route in rules.rules + rules.fallback)}
   try:
-    cfg.kernels.impl().resolved()
+    impl.resolved()
+    for route in sorted(routes, key=str):
+      m, k, n = (max(d, 128) for d in padding_multiples(route))
+      loss = lambda x, w: fp4_dot(x, w, route=route, key=jax.random.key(0), impl=impl).astype(jnp.float32).sum()
+      jax.eval_shape(jax.grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                     jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
   except ValueError as err:
     raise UserError(f"kernels: {err}") from err
 
@@ -381,13 +394,20 @@ def to_global(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
 
-def peak_memory(devices) -> tuple[int | None, str]:
-  """(bytes, kind): max device peak_bytes_in_use where the backend reports it, else this process's max RSS."""
+def step_memory(compiled, devices) -> tuple[int | None, str]:
+  """(bytes, kind) of a route's memory for its table row: XLA's plan of its compiled train step
+  (`metrics.planned_bytes`), the route's own whatever ran before it in the process; else (no step compiled
+  in this call: a resumed finished run) the process's peak so far, the max device peak_bytes_in_use where the
+  backend reports it, else the max RSS, which holds every earlier route of the process too (JAX resets neither:
+  it made a compare run's later routes look as large as the largest before them)."""
+  planned = None if compiled is None else metrics.planned_bytes(compiled)
+  if planned is not None:
+    return planned, "step plan"
   peaks = [s.get("peak_bytes_in_use") for d in devices if (s := d.memory_stats())]
   peaks = [p for p in peaks if p is not None]
   if peaks:
-    return max(peaks), "device"
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
+    return max(peaks), "process peak"
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
 
 
 def evaluate(ts: TrainState, batches: list[np.ndarray]) -> float:
@@ -586,7 +606,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
       log.close()
   if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
     eval_loss = evaluate(ts, eval_batches)
-  peak, peak_kind = peak_memory(mesh.devices.flat)
+  peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat)
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(rec.tail)) if rec.tail else None,
          "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
          "first_step_s": rec.first_step_s, "compile_s": compile_s, "peak_bytes": peak,
@@ -681,6 +701,13 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
       if not compare:
         raise
       rows.append({"route": name, "steps": cfg.run.steps, "status": str(e).split(";")[0].split("] ")[-1]})
+    except (UserError, interrupt.Interrupted):  # a mistake, or a stop: for the whole call
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # a bug in one route: the others still run
+      if not compare:
+        raise
+      log.write(f"[{name}] failed:\n{traceback.format_exc()}")
+      rows.append({"route": name, "steps": cfg.run.steps, "status": f"failed ({type(e).__name__})"})
     if compare:  # each route's row as soon as it is done: a run cut short keeps the finished ones
       log.write(f"[train] done: {metrics.format_table(rows[-1:]).splitlines()[-1]}\n")
   if jax.process_index() == 0:
@@ -692,6 +719,9 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
     if compare:
       curves = {name: metrics.read_jsonl(p) for name in routes
                 if os.path.exists(p := os.path.join(cfg.run.out_dir, name, "metrics.jsonl"))}
-      if not metrics.plot_losses(curves, os.path.join(cfg.run.out_dir, "loss.png"), title="routes compared"):
+      plot = os.path.join(cfg.run.out_dir, "loss.png")
+      if not metrics.plot_losses(curves, plot, title="routes compared"):
         log.write("[train] no loss curve to plot: no route logged a step\n")
+        if os.path.exists(plot):  # an earlier call's, which would pass for this one's
+          os.remove(plot)
   return rows

@@ -57,6 +57,10 @@ def _args(tmp_path, *sets: str) -> list[str]:
     (["rules.extra=[layer\\.0\\..*=bf16]"], "rules.extra: route rules 'layer\\.0\\..*=bf16' decide the route of no "
                                           "linear"),
     (["rules.extra=[' =bf16']"], "rules.extra: route rule ' =bf16' must read 'REGEX=ROUTE'"),
+    (["run.routes=[bf16, fp8, mxfp4]", "kernels.gemm=native"],  # was a traceback when fp8 compiled, mxfp4 unrun
+     "kernels: GEMM backend 'native' does not support a.fmt='fp8_e4m3'"),
+    (["run.routes=[bf16]", "rules.extra=[layers\\.0\\..*=fp8]", "kernels.gemm=native"],  # a rule's route too
+     "kernels: GEMM backend 'native' does not support a.fmt='fp8_e4m3'"),
 ])
 def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_data_work, sets, match):
   assert match in _error_line(capsys, _args(tmp_path, *sets))

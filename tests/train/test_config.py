@@ -200,3 +200,16 @@ def test_unusable_directories_are_one_cli_line(tmp_path, capsys):
       assert main(argv) == EXIT_USER_ERROR, (key, path)
       err = capsys.readouterr().err.strip().splitlines()
       assert err[-1].startswith(f"python -m train: error: {key}={str(path)!r}: cannot use it as a directory"), err
+
+
+def test_a_file_in_place_of_a_routes_directory_is_one_cli_line(tmp_path, capsys):
+  """Compare mode's out_dir/<route> is checked as out_dir is (a FileExistsError traceback after the first
+  routes had trained, before)."""
+  from train.main import EXIT_USER_ERROR, main
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "mxfp4").write_text("")
+  assert main(["--set", f"run.out_dir={tmp_path / 'run'}", "--set", "run.routes=[bf16, mxfp4]"]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip().splitlines()
+  route_dir = str(tmp_path / "run" / "mxfp4")
+  assert err[-1].startswith(f"python -m train: error: run.out_dir of route mxfp4={route_dir!r}: cannot use it as a "
+                            f"directory"), err

@@ -259,6 +259,8 @@ def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, mon
   table = open(os.path.join(out, "table.md")).read()
   assert "| bf16 | 3 |" in table and "| mxfp4 | 3 |" in table and "held-out ppl" in table and "n/a" not in table
   assert "| compile | first step |" in table and all(0 < r["compile_s"] <= r["first_step_s"] for r in rows)
+  # Each route's memory is its own step's plan, not the process's peak, which held bf16's run under mxfp4's.
+  assert [r["peak_kind"] for r in rows] == ["step plan"] * 2 and "(step plan)" in table
   assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert summary[1]["route"] == "mxfp4" and summary[1]["eval_loss"] > 0
@@ -276,11 +278,27 @@ def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, mon
   assert open(os.path.join(out, "table.md")).read() == table
 
 
+def test_step_memory_is_the_compiled_steps_plan():
+  """XLA's plan of the step (arguments + outputs + temporaries - donated), whatever ran before in the process;
+  the process's peak (named so) where no step was compiled."""
+  step = jax.jit(lambda a: (a @ a.T).sum(axis=0), donate_argnums=0)
+  x = jnp.ones((256, 512))
+  compiled = step.lower(x).compile()
+  got, kind = train.step_memory(compiled, jax.devices())
+  stats = compiled.memory_analysis()
+  assert kind == "step plan" and got == (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                         + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  assert got >= 256 * 512 * 4
+  assert train.step_memory(None, jax.devices())[1] in ("process peak", "process RSS")
+
+
 def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
   def diverge(cfg, *args, label=None):
     raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
   monkeypatch.setattr(train, "run", diverge)
   cfg = _corpus_cfg(tmp_path)
+  os.makedirs(cfg.run.out_dir)
+  open(os.path.join(cfg.run.out_dir, "loss.png"), "wb").close()  # an earlier call's plot is not this one's
   assert main(["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"data.cache_dir={cfg.data.cache_dir}",
                "--set", "data.eval_fraction=0.1", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
                "--set", f"run.out_dir={cfg.run.out_dir}", "--set", "run.routes=[bf16, mxfp4]"]) == EXIT_FAILED_RUN
@@ -288,6 +306,29 @@ def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
   assert ("python -m train: 2 of 2 route(s) failed: bf16 (loss is nan at step 2); mxfp4 (loss is nan at step 2)"
           in err), err
   assert "loss plot: none" in err and not os.path.exists(os.path.join(cfg.run.out_dir, "loss.png"))
+
+
+def test_compare_mode_runs_the_other_routes_when_one_fails(tmp_path, monkeypatch, capsys):
+  """A route that raises (a bug, a backend that cannot run it) is reported with its traceback and a failed row;
+  the routes after it still run (it ended the whole call before, without a table)."""
+  ran = []
+
+  def fail(cfg, *args, label=None):
+    ran.append(label)
+    if label == "bf16":
+      raise RuntimeError("a bug in one route")
+    raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
+  monkeypatch.setattr(train, "run", fail)
+  cfg = _corpus_cfg(tmp_path)
+  assert main(["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"data.cache_dir={cfg.data.cache_dir}",
+               "--set", "data.eval_fraction=0.1", "--set", "data.seq_len=32", "--set", "data.batch_size=8",
+               "--set", f"run.out_dir={cfg.run.out_dir}", "--set", "run.routes=[bf16, mxfp4]"]) == EXIT_FAILED_RUN
+  err = capsys.readouterr().err
+  assert ran == ["bf16", "mxfp4"]
+  assert "[bf16] failed:\nTraceback" in err and "RuntimeError: a bug in one route" in err
+  assert ("python -m train: 2 of 2 route(s) failed: bf16 (failed (RuntimeError)); mxfp4 (loss is nan at step 2)"
+          in err), err
+  assert os.path.exists(os.path.join(cfg.run.out_dir, "table.md"))
 
 
 def test_compile_ticker_reports_while_it_lasts(capsys):
