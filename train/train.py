@@ -440,6 +440,7 @@ class _StepRecorder:
     self._t_first: float | None = None
     self.t_start = time.time()  # before the first step's dispatch (which compiles the step)
     self.first_step_s: float | None = None
+    self.compile_s: float | None = None  # the first call of the train step (this process's, else a checkpoint's)
     self._n_timed, self._pause_s, self._timed_s = 0, 0.0, 0.0
     self._before_n, self._before_s = 0, 0.0  # timed steps and seconds of earlier processes (`resume`)
 
@@ -454,9 +455,10 @@ class _StepRecorder:
 
   def record(self, step: int, loss: jax.Array, gnorm: jax.Array) -> None:
     """Checks and logs the loss of `step` (1-based: the step-th optimizer update, as checkpoints count)."""
-    value = float(loss)  # blocks until the step has run
-    if not math.isfinite(value):
-      raise NonFiniteLossError(f"[{self.label}] loss is {value} at step {step}; stopped. {last_good(self.ckpt)}")
+    value, grad_norm = float(loss), float(gnorm)  # blocks until the step has run
+    for what, v in (("loss", value), ("gradient norm", grad_norm)):  # a NaN gradient leaves its update NaN
+      if not math.isfinite(v):
+        raise NonFiniteLossError(f"[{self.label}] {what} is {v} at step {step}; stopped. {last_good(self.ckpt)}")
     now = time.time()
     if self._t_first is None:
       self._t_first, self._pause_s = now, 0.0
@@ -472,7 +474,7 @@ class _StepRecorder:
     eta = (total - step) * self.tokens_per_step / self.rate if self.rate else None
     self.bar.update(step, value, self.rate, eta)
     if self.log and (step % self.cfg.run.log_every == 0 or step == total):
-      self.log.log(step, "train", {"loss": float(np.mean(self._window)), "grad_norm": float(gnorm),
+      self.log.log(step, "train", {"loss": float(np.mean(self._window)), "grad_norm": grad_norm,
                                    "tokens_per_s": self.rate, "lr": float(self.schedule(step - 1))})
       self._window = []
 
@@ -483,7 +485,8 @@ class _StepRecorder:
   def saved(self) -> dict[str, Any]:
     """What a checkpoint keeps of the losses and the timing (JSON, beside the data position)."""
     return {"loss_tail": self.tail, "loss_window": self._window,
-            "timed_steps": self._before_n + self._n_timed, "timed_s": self._before_s + self._timed_s}
+            "timed_steps": self._before_n + self._n_timed, "timed_s": self._before_s + self._timed_s,
+            "compile_s": self.compile_s, "first_step_s": self.first_step_s}
 
   def resume(self, saved: dict[str, Any]) -> None:
     """Takes `saved`'s losses and timing back (checkpoints of older versions have none: the first window then
@@ -492,6 +495,7 @@ class _StepRecorder:
     self._window = [float(v) for v in saved.get("loss_window", [])]
     self._before_n, self._before_s = int(saved.get("timed_steps", 0)), float(saved.get("timed_s", 0.0))
     self.rate = self._rate()
+    self.compile_s, self.first_step_s = saved.get("compile_s"), saved.get("first_step_s")  # until this process's
 
 
 @contextlib.contextmanager
@@ -560,7 +564,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = _StepRecorder(cfg, label, ckpt, log, bar)
   rec.resume(data_state)
-  eval_loss = compile_s = None
+  eval_loss = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
   stop = interrupt.StopRequest(label, enabled=jax.process_count() == 1)
   try:
@@ -570,7 +574,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
         if done == start + 1:  # the first call traces and compiles the step: say so while it lasts, and time it
           with compile_ticker(label, enabled=lead) as timer:
             ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
-          compile_s = timer()
+          rec.compile_s = timer()
           report = getattr(ts.train_step, "report", None)
           if lead and report is not None and report.summary():
             print(f"[{label}] {report.summary()}", file=sys.stderr, flush=True)
@@ -609,7 +613,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat)
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(rec.tail)) if rec.tail else None,
          "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
-         "first_step_s": rec.first_step_s, "compile_s": compile_s, "peak_bytes": peak,
+         "first_step_s": rec.first_step_s, "compile_s": rec.compile_s, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
   if lead:
     curves = {label: metrics.read_jsonl(log.jsonl_path)}
@@ -639,20 +643,23 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
           f"{r.out_dir} holds a finished run ({RESULT_FILE}, no checkpoint)")
   if not r.resume:
     raise UserError(f"{held} and run.resume=false: use another run.out_dir, or delete it to train afresh")
-  saved_cfg, saved = os.path.join(r.out_dir, "config.yaml"), {}
-  if os.path.exists(saved_cfg):
-    try:
-      with open(saved_cfg) as f:
-        saved = yaml.safe_load(f)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-      saved = err
-    if not isinstance(saved, dict) or not saved:
-      raise UserError(f"{held}, but its {saved_cfg} is damaged or empty, so its settings cannot be compared with "
-                      f"these: restore it (the settings the run was started with), or use another run.out_dir")
-    changed = config_lib.changed_settings(saved, config_lib.to_dict(cfg))
-    if changed:
-      raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
-                      f"settings")
+  saved_cfg = os.path.join(r.out_dir, "config.yaml")  # written before the run's first checkpoint
+  try:
+    with open(saved_cfg) as f:
+      saved = yaml.safe_load(f)
+  except FileNotFoundError as err:
+    saved = err
+  except (yaml.YAMLError, UnicodeDecodeError) as err:
+    saved = err
+  if not isinstance(saved, dict) or not saved:  # not comparable: its result would pass for these settings'
+    state = "missing" if isinstance(saved, FileNotFoundError) else "damaged or empty"
+    raise UserError(f"{held}, but its {saved_cfg} is {state}, so its "
+                    f"settings cannot be compared with these: restore it (the settings the run was started with), "
+                    f"or use another run.out_dir")
+  changed = config_lib.changed_settings(saved, config_lib.to_dict(cfg))
+  if changed:
+    raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
+                    f"settings")
   if steps and steps[-1] > r.steps:
     raise UserError(f"{held}, past run.steps={r.steps}: use another run.out_dir for a shorter run")
   saved_steps = (saved.get("run") or {}).get("steps", r.steps)

@@ -53,6 +53,7 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
   # An interrupted run: the same run directory holding only the step-4 checkpoint.
   resumed_dir = tmp_path / "resumed"
   shutil.copytree(os.path.join(out, "ckpt"), resumed_dir / "ckpt")
+  shutil.copy(os.path.join(out, "config.yaml"), resumed_dir)
   shutil.rmtree(resumed_dir / "ckpt" / "8")
   resumed = train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}), TOKENS, TOKENS[:2000], 257)
   assert sorted(resumed["losses"]) == [5, 6, 7, 8]
@@ -67,6 +68,11 @@ def test_loss_decreases_and_resume_is_bit_identical(tmp_path):
     (resumed_dir / "config.yaml").write_text(damaged)
     with pytest.raises(UserError, match=r"config.yaml is damaged or empty, so its settings cannot be compared"):
       train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}), TOKENS, TOKENS[:2000], 257)
+  # A deleted one too: other settings would have passed unchecked, and a finished run's result been reported
+  # as theirs.
+  (resumed_dir / "config.yaml").unlink()
+  with pytest.raises(UserError, match=r"config.yaml is missing, so its settings cannot be compared"):
+    train.run(config.replace(cfg, run={"out_dir": str(resumed_dir)}, optim={"lr": 0.02}), TOKENS, TOKENS[:2000], 257)
 
 
 def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
@@ -86,12 +92,14 @@ def test_resumed_run_logs_and_reports_what_an_uninterrupted_one_does(tmp_path):
               for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut, cfg.run.out_dir)]
   assert untimed[0] == untimed[1]
   # Stopped after its final checkpoint, before result.json: nothing left to run, the same report, throughput
-  # included (the checkpoint carries the timed steps and seconds).
+  # and compile times included (the checkpoint carries the timed steps and seconds, and the first call's times:
+  # they were n/a).
   done = tmp_path / "done"
   shutil.copytree(cfg.run.out_dir, done, ignore=shutil.ignore_patterns("result.json"))
   again = train.run(config.replace(cfg, run={"out_dir": str(done)}), TOKENS, TOKENS[:2000], 257)
   assert again["losses"] == {} and again["train_loss"] == full["train_loss"]
   assert again["tokens_per_s"] == full["tokens_per_s"] > 0
+  assert again["compile_s"] == full["compile_s"] > 0 and again["first_step_s"] == full["first_step_s"] > 0
   shutil.rmtree(cut / "ckpt" / "8")
   with pytest.raises(UserError, match=r"run.steps=8 learning-rate schedule; run.steps=12 would go on"):
     train.run(config.replace(cfg, run={"out_dir": str(cut), "steps": 12}), TOKENS, TOKENS[:2000], 257)
@@ -167,14 +175,20 @@ def test_non_finite_loss_stops_with_message(tmp_path, monkeypatch, ckpt_every, l
 
 
 def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
-  # lr=1e30: the first update leaves finite (huge) parameters, the second overflows them while its loss, computed
-  # before it, is still finite. Steps count updates from 1, as checkpoints do: checkpoint 1 is the last finite one.
+  # lr=1e30: the first update leaves finite (huge) parameters; at the second the loss is still finite but its
+  # gradient is not, and the update would overflow them (found then as a non-finite state before saving step 2).
+  # Steps count updates from 1, as checkpoints do: checkpoint 1 is the last finite one.
   cfg = tiny_cfg(tmp_path, "optim.lr=1e30", "optim.warmup=0", "run.ckpt_every=1")
   with pytest.raises(train.NonFiniteLossError,
-                     match=r"state is non-finite after step 2 \(whose loss was finite\); stopped before saving it. "
-                           r"Last good checkpoint: step 1 in .*ckpt"):
+                     match=r"gradient norm is nan at step 2; stopped. Last good checkpoint: step 1 in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
+  # lr=1e39 (infinite in float32): the first update itself overflows, its loss and gradient finite.
+  cfg = tiny_cfg(tmp_path / "inf", "optim.lr=1e39", "optim.warmup=0", "run.ckpt_every=1")
+  with pytest.raises(train.NonFiniteLossError,
+                     match=r"state is non-finite after step 1 \(whose loss was finite\); stopped before saving it. "
+                           r"No checkpoint"):
+    train.run(cfg, TOKENS, TOKENS[:2000], 257)
 
 
 @pytest.mark.parametrize("signum,eval_every", [(signal.SIGINT, 0), (signal.SIGTERM, 3)])
