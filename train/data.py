@@ -21,6 +21,7 @@ import lzma
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import sys
 import sysconfig
@@ -122,7 +123,24 @@ _WORKER_TOKENIZER: tokenizers.Tokenizer | None = None
 
 def _init_worker(kind: str, path: str) -> None:
   global _WORKER_TOKENIZER
+  _die_with_parent()
   _WORKER_TOKENIZER = tokenizers.get_tokenizer(kind, path)
+
+
+def _die_with_parent() -> None:
+  """On Linux, has the kernel send this pool worker SIGTERM when the process that spawned it dies: a parent
+  killed by a signal while tokenizing (SIGTERM's default action, a scheduler's preemption) runs no cleanup, and
+  its workers stayed behind, blocked writing results nobody reads. Elsewhere (no prctl) nothing changes."""
+  if not sys.platform.startswith("linux"):
+    return
+  import ctypes  # pylint: disable=g-import-not-at-top
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    return
+  parent = multiprocessing.parent_process()
+  if parent is not None and parent.pid != os.getppid():  # it died before the request took effect
+    os._exit(1)
 
 
 def _tokenize_file(path: str) -> np.ndarray:

@@ -7,9 +7,12 @@ import lzma
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -240,3 +243,40 @@ def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):
       p.unlink()
   data.build_token_cache(files, "byte", "", str(cache), log=None)
   assert not stale.exists() and live.exists() and elsewhere.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_tokenizer_workers_die_with_a_killed_parent(tmp_path):
+  """A parent killed while its pool tokenizes (SIGTERM's default action, a preemption: no cleanup runs) takes
+  its workers along; they stayed behind, blocked writing results to a queue no one reads (`_die_with_parent`)."""
+  files = []
+  for i in range(6):  # large results: a worker's write blocks once the queue's pipe is full
+    files.append(str(tmp_path / f"f{i}.txt"))
+    with open(files[-1], "w") as f:
+      f.write(("lorem ipsum dolor sit amet " * 40 + "\n") * 8000)
+  code = textwrap.dedent("""
+      import multiprocessing, os, signal, sys
+      from train import data
+      if __name__ == "__main__":
+        with data._map_files("byte", "", sys.argv[1:], 2) as results:
+          next(iter(results))
+          print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+          os.kill(os.getpid(), signal.SIGKILL)
+      """)
+  script = tmp_path / "parent.py"
+  script.write_text(code)
+  out = tmp_path / "out.txt"  # a file, not a pipe: workers left behind would hold a pipe open
+  with open(out, "w") as f:
+    done = subprocess.run([sys.executable, str(script), *files], stdout=f, stderr=subprocess.STDOUT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+  workers = [int(p) for p in out.read_text().split()[:2]]
+  assert done.returncode == -signal.SIGKILL and len(workers) == 2, (done.returncode, out.read_text())
+  deadline = time.time() + 20
+  alive = lambda: [p for p in workers if os.path.exists(f"/proc/{p}") and
+                   open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+  while alive() and time.time() < deadline:
+    time.sleep(0.1)
+  left = alive()
+  for p in left:
+    os.kill(p, signal.SIGKILL)
+  assert not left, f"workers {left} outlived their parent"
