@@ -515,15 +515,18 @@ def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0):
   thread = threading.Thread(target=tick, daemon=True)
   if enabled:
     thread.start()
-  elapsed = [None]
+  elapsed, ended = [None], "train step compiled in"
   try:
     yield lambda: elapsed[0]
+  except BaseException:
+    ended = "train step's first call failed after"  # not reported as compiled
+    raise
   finally:
     elapsed[0] = time.time() - t0
     stop.set()
     if enabled:
       thread.join()
-      print(f"[{label}] train step compiled in {elapsed[0]:.1f} s", file=sys.stderr, flush=True)
+      print(f"[{label}] {ended} {elapsed[0]:.1f} s", file=sys.stderr, flush=True)
 
 
 def last_good(ckpt: checkpoint.Checkpointer) -> str:

@@ -355,6 +355,9 @@ def test_compile_ticker_reports_while_it_lasts(capsys):
   with train.compile_ticker("bf16", enabled=False):
     pass
   assert capsys.readouterr().err == ""
+  with pytest.raises(ValueError), train.compile_ticker("fp8"):  # a failure is not reported as compiled
+    raise ValueError("no backend runs it")
+  assert capsys.readouterr().err.startswith("[fp8] train step's first call failed after 0.")
 
 
 def test_main_sets_xla_flags_and_the_compilation_cache(tmp_path, monkeypatch):
