@@ -653,15 +653,12 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
   try:
     with open(saved_cfg) as f:
       saved = yaml.safe_load(f)
-  except FileNotFoundError as err:
-    saved = err
-  except (yaml.YAMLError, UnicodeDecodeError) as err:
+  except (FileNotFoundError, yaml.YAMLError, UnicodeDecodeError) as err:
     saved = err
   if not isinstance(saved, dict) or not saved:  # not comparable: its result would pass for these settings'
     state = "missing" if isinstance(saved, FileNotFoundError) else "damaged or empty"
-    raise UserError(f"{held}, but its {saved_cfg} is {state}, so its "
-                    f"settings cannot be compared with these: restore it (the settings the run was started with), "
-                    f"or use another run.out_dir")
+    raise UserError(f"{held}, but its {saved_cfg} is {state}, so its settings cannot be compared with these: "
+                    f"restore it (the settings the run was started with), or use another run.out_dir")
   changed = config_lib.changed_settings(saved, config_lib.to_dict(cfg))
   if changed:
     raise UserError(f"{held} with other settings ({'; '.join(changed[:4])}): use another run.out_dir for the new "
@@ -720,7 +717,7 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
       if not compare:
         raise
       log.write(f"[{name}] failed:\n{traceback.format_exc()}")
-      rows.append({"route": name, "steps": cfg.run.steps, "status": f"failed ({type(e).__name__})"})
+      rows.append({"route": name, "steps": cfg.run.steps, "status": f"raised {type(e).__name__}"})
     if compare:  # each route's row as soon as it is done: a run cut short keeps the finished ones
       log.write(f"[train] done: {metrics.format_table(rows[-1:]).splitlines()[-1]}\n")
   if jax.process_index() == 0:

@@ -340,7 +340,7 @@ def test_compare_mode_runs_the_other_routes_when_one_fails(tmp_path, monkeypatch
   err = capsys.readouterr().err
   assert ran == ["bf16", "mxfp4"]
   assert "[bf16] failed:\nTraceback" in err and "RuntimeError: a bug in one route" in err
-  assert ("python -m train: 2 of 2 route(s) failed: bf16 (failed (RuntimeError)); mxfp4 (loss is nan at step 2)"
+  assert ("python -m train: 2 of 2 route(s) failed: bf16 (raised RuntimeError); mxfp4 (loss is nan at step 2)"
           in err), err
   assert os.path.exists(os.path.join(cfg.run.out_dir, "table.md"))
 
