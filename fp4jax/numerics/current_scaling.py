@@ -66,7 +66,7 @@ def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne"
     amax = jnp.where(jnp.all(jnp.isfinite(xk)), amax, jnp.nan)
   else:
     amax = quantize_args.amax_value(tensor_amax)
-  s = encode_factor(jnp.where(jnp.isfinite(amax), amax, jnp.nan), element.max)  # NaN for a non-finite amax
+  s = encode_factor(amax, element.max)  # NaN for a non-finite amax: both branches make it NaN
   values = jnp.clip(xk * s, -element.max, element.max).astype(element.dtype)
   outer = ieee.div(np.float32(1.0), s, b_normal=True)  # NaN where s is; s >= fp8_max / float32 max: normal
   return QTensor(values, None, outer, fmt=spec.name, axis=axis, shape=tuple(x.shape))

@@ -12,7 +12,7 @@ import numpy as np
 
 from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FormatSpec
-from fp4jax.numerics.spec import EDEN_GROUP, ROUNDINGS, SCALE_RULES, default_scale_rule
+from fp4jax.numerics.spec import EDEN_GROUP, ROUNDINGS, SCALE_RULES, check_clip_fraction_type, default_scale_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
     raise TypeError(f"quantize takes an array, got a {type(x).__name__} (wrap it in jnp.asarray)")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point input, got {x.dtype=}")
-  if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+  if not _is_int(axis):
     raise TypeError(f"quantize's axis must be an int, got {axis!r}")
   if rounding not in ROUNDINGS:
     raise ValueError(f"unknown {rounding=}; valid roundings: {tuple(ROUNDINGS)}")
@@ -78,19 +78,19 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
       raise ValueError(f"{scale_rule=} and {clip_fraction=} apply to mxfp4 only, not fmt={spec.name!r}")
     if tensor_amax is not None and spec.outer != "tensor":
       raise ValueError(f"tensor_amax applies to formats with a tensor scale, not fmt={spec.name!r}")
-  if clip_fraction is not None and not _is_number(clip_fraction, (int, float, np.integer, np.floating)):
-    raise TypeError(f"quantize's clip_fraction takes a number in (0, 1] or None, got {clip_fraction!r}")
+  check_clip_fraction_type(clip_fraction, "quantize's ")
   if clip_fraction is not None and not 0 < clip_fraction <= 1:
     raise ValueError(f"{clip_fraction=} must lie in (0, 1]")
-  if not _is_number(tile_rows, (int, np.integer)):  # 2.5 or True would silently mean 2 or 1 rows
+  if not _is_int(tile_rows):  # 2.5 or True would silently mean 2 or 1 rows
     raise TypeError(f"quantize's tile_rows takes an int, got {tile_rows!r}")
   if tile_rows < 1:
     raise ValueError(f"{tile_rows=} must be positive")
   return Cfg(spec, axis, rounding, scale_rule, bool(tile_2d), clip_fraction, int(tile_rows))
 
 
-def _is_number(v, types: tuple[type, ...]) -> bool:
-  return isinstance(v, types) and not isinstance(v, (bool, np.bool_))
+def _is_int(v) -> bool:
+  """A Python or NumPy integer, not a bool."""
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def amax_value(tensor_amax) -> jax.Array:

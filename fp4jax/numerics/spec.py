@@ -61,6 +61,13 @@ def check_choice(what: str, value, valid) -> None:
     raise ValueError(f"unknown {what} {value!r}; valid values: {sorted(valid, key=str)}")
 
 
+def check_clip_fraction_type(value, prefix: str = "") -> None:
+  """Raises a TypeError (message starting with `prefix`) unless `value` is None or a number (a bool is none):
+  an OperandSpec's and quantize's clip_fraction."""
+  if value is not None and (not isinstance(value, (int, float, np.floating)) or isinstance(value, bool)):
+    raise TypeError(f"{prefix}clip_fraction takes a number in (0, 1] or None, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OperandSpec:
   """How one GEMM operand is quantized along the GEMM's contraction axis.
@@ -87,9 +94,7 @@ class OperandSpec:
   def __post_init__(self):
     if not isinstance(self.tile_2d, bool):  # a truthy string would silently mean 2-D tiles
       raise TypeError(f"tile_2d takes True or False, got {self.tile_2d!r}")
-    if self.clip_fraction is not None and (not isinstance(self.clip_fraction, (int, float, np.floating))
-                                           or isinstance(self.clip_fraction, bool)):
-      raise TypeError(f"clip_fraction takes a number in (0, 1] or None, got {self.clip_fraction!r}")
+    check_clip_fraction_type(self.clip_fraction)
     for option in ("fmt", "rounding", "transform", "scale_rule"):
       value = getattr(self, option)
       if value is not None and not isinstance(value, str):
