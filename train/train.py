@@ -146,8 +146,11 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
+  used = set()  # the routes of every run's rules, each traced once
   for _, sub in route_configs(cfg):
-    check_kernels(sub, route_rules(sub, lcfg.n_layers))
+    rules = route_rules(sub, lcfg.n_layers)
+    used |= {rules.default, *(route for _, route in rules.rules + rules.fallback)}
+  check_kernels(cfg, used)
   mesh = check_mesh(cfg)
   for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
     check_param_sharding(sub, lcfg, mesh)
@@ -161,15 +164,14 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   return tok
 
 
-def check_kernels(cfg: config_lib.Config, rules) -> None:
+def check_kernels(cfg: config_lib.Config, routes) -> None:
   """Fails with a UserError if `kernels` asks for what this JAX backend cannot run, which fp4_dot would otherwise
   find only when compiling: the Pallas kernels compiled for a GPU on another backend (`Impl.resolved`), or a GEMM
-  backend that cannot multiply the operands of a route the rules use (e.g. `native` and the fp8 route), found by
-  tracing one small fp4_dot forward and backward per route."""
+  backend that cannot multiply the operands of one of `routes` (names or Routes: those the run's rules use; e.g.
+  `native` and the fp8 route), found by tracing one small fp4_dot forward and backward per route."""
   from fp4jax import fp4_dot
   from fp4jax.dot import padding_multiples
   impl = cfg.kernels.impl()
-  routes = {rules.default, *(route for _, route in rules.rules + rules.fallback)}
   try:
     impl.resolved()
     for route in sorted(routes, key=str):
