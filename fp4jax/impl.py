@@ -30,7 +30,8 @@ class Impl:
       "xla" (the reference quantizers compiled by XLA). Wherever a kernel does not cover an operand, the XLA
       reference quantizes it (`ops.quantize.api`).
     gemm: "auto" (the fastest backend the device generation and the operands allow), "emulated"
-      (dequantize and dot, anywhere), "fp8" (Hopper FP8 tensor cores) or "native" (Blackwell block-scaled).
+      (dequantize and dot, anywhere), "fp8" (Hopper FP8 tensor cores), "mosaic" (Hopper: MXFP4 pairs in one
+      Mosaic GPU kernel applying the per-row factors, `ops.gemm.mosaic`) or "native" (Blackwell block-scaled).
     token_axes: the mesh axes (of the mesh in context, `jax.set_mesh`) over which the tokens (x's and dY's
       rows) are split, so that each device quantizes only its own with the fused kernels
       (`ops.quantize.pallas.rows`: MXFP4, NVFP4 and MS-EDEN recipes; tile-local NVFP4 is gathered whole, as

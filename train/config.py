@@ -213,10 +213,11 @@ class RunConfig:
 class KernelConfig:
   """How fp4_dot runs (`fp4jax.Impl`; the numbers do not depend on it). `quantizer`: "auto" (the fused Pallas
   kernels on GPUs, XLA elsewhere), "pallas", "interpret" (Pallas interpret mode, slow: tests) or "xla" (XLA's
-  reference quantizers, e.g. to measure what the kernels buy). `gemm`: "auto", "emulated", "fp8", "native".
-  `split_tokens`: on a mesh of several devices each quantizes its own tokens with the kernels (`Impl.token_axes`
-  "auto": the run's ("data", "fsdp") axes both split the batch), the whole batch's bits either way; false
-  gathers the kernels' inputs as XLA partitions a kernel (it is new, and has not yet run on several GPUs)."""
+  reference quantizers, e.g. to measure what the kernels buy). `gemm`: "auto", "emulated", "fp8", "mosaic",
+  "native". `split_tokens`: on a mesh of several devices each quantizes its own tokens with the kernels
+  (`Impl.token_axes` "auto": the run's ("data", "fsdp") axes both split the batch), the whole batch's bits
+  either way; false gathers the kernels' inputs as XLA partitions a kernel (it is new, and has not yet run on
+  several GPUs)."""
   quantizer: str = "auto"
   gemm: str = "auto"
   split_tokens: bool = True

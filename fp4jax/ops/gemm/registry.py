@@ -13,9 +13,10 @@ from types import ModuleType
 import jax
 
 from fp4jax.numerics.qtensor import Quantized
-from fp4jax.ops.gemm import emulated, fp8, native
+from fp4jax.ops.gemm import emulated, fp8, mosaic, native
 
-BACKENDS: dict[str, ModuleType] = {"emulated": emulated, "fp8": fp8, "native": native}
+# "mosaic" is chosen by name only: no generation prefers it (its module docstring).
+BACKENDS: dict[str, ModuleType] = {"emulated": emulated, "fp8": fp8, "mosaic": mosaic, "native": native}
 CHOICES = ("auto", *BACKENDS)
 
 # Device generation -> backends to try, fastest first ("emulated" supports every operand pair).
