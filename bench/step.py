@@ -48,6 +48,7 @@ import optax
 from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, compiling, platform
+from fp4jax.ops import gemm as gemm_lib
 from train import metrics, train as train_lib
 from train.errors import UserError
 
@@ -82,6 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--scan-saves", default="outputs", choices=("outputs", "operands"),
                       help="what a scanned block keeps for its backward (fp4jax.nn.llama.model.SCAN_POLICIES)")
   parser.add_argument("--attention", choices=ATTENTION, default="auto", help="Llama attention_impl")
+  parser.add_argument("--gemm", choices=gemm_lib.CHOICES, default="auto",
+                      help="the FP4 GEMM backend (fp4jax.Impl(gemm=...); default: %(default)s)")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
   parser.add_argument("--microbatches", type=args_lib.int_at_least(1), default=1, metavar="N",
@@ -180,10 +183,11 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   """One route's row: compile seconds, step seconds, tokens/s, MFU, memory and (with --profile) breakdown."""
   step_fn, create, abstract, tokens_spec, cfg, scan = llama_step(
       args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
-      scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches)
+      scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches,
+      impl=Impl(gemm=args.gemm))
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
          "scan": scan, "scan_saves": args.scan_saves if scan else None, "attention": args.attention,
-         "fused_linears": cfg.fuse_linears, "microbatches": args.microbatches}
+         "gemm": args.gemm, "fused_linears": cfg.fuse_linears, "microbatches": args.microbatches}
   t0 = time.perf_counter()
   compiled, report = compiling.compile_program(jax.jit(step_fn, donate_argnums=0), abstract, tokens_spec,
                                                jax.ShapeDtypeStruct((), jnp.int32), **args_lib.kernels_first(args))
