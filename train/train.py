@@ -161,6 +161,11 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
     check_writable_dir(path, what)
   for name, sub in route_configs(cfg) if cfg.run.routes else ():  # compare mode's out_dir/<route>
     check_writable_dir(sub.run.out_dir, f"run.out_dir of route {name}")
+  for _, sub in route_configs(cfg):  # Orbax would fail at the first save, after the steps before it
+    ckpt = os.path.join(sub.run.out_dir, "ckpt")
+    if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
+      raise UserError(f"{ckpt!r} is not a directory, where the run keeps its checkpoints: move it away or choose "
+                      f"another run.out_dir")
   return tok
 
 

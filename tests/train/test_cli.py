@@ -87,6 +87,17 @@ def test_data_mistakes(tmp_path, capsys):
   assert "100000, fewer than data.batch_size=8; lower them or add data" in line
 
 
+@pytest.mark.parametrize("routes", ["[]", "[bf16]"])
+def test_a_file_where_checkpoints_go_is_refused_at_once(tmp_path, capsys, routes):
+  """A file named ckpt in the run's directory (out_dir/<route>/ckpt in compare mode): one line before any work,
+  where Orbax failed at the first save with a long traceback, after the steps before it had trained."""
+  out = tmp_path / "run" / ("bf16" if routes != "[]" else "")
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "ckpt").write_text("x")
+  line = _error_line(capsys, _args(tmp_path, f"run.routes={routes}", *(["route=bf16"] if routes == "[]" else [])))
+  assert f"{str(out / 'ckpt')!r} is not a directory, where the run keeps its checkpoints" in line
+
+
 def test_debug_shows_the_traceback(tmp_path, capsys):
   assert main(["--debug", *_args(tmp_path, "optim.lr=-1")]) == EXIT_USER_ERROR
   err = capsys.readouterr().err
