@@ -94,6 +94,15 @@ def _next_token_grads(tokens):
   return grads
 
 
+@pytest.mark.parametrize("key", [jnp.array([0.3, 0.9]), 3, jnp.zeros(4, jnp.uint32)])
+def test_a_key_that_is_no_key_is_refused(key):
+  """A float pair, an int, raw data of the wrong shape: before any linear derives its key from it (a float pair
+  trained the unrolled model, seeded by its float bits)."""
+  model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="Llama needs a key"):
+    model(_tokens(t=T), key=key)
+
+
 def test_forward_backward_fp4_with_keys():
   # One deep linear on a keyed route (a single FP4 linear keeps the compile short).
   model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))

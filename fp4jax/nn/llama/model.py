@@ -131,6 +131,8 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] int32 -> logits [B, T, V] float32. `key`: one random key per step (keyed routes)."""
+    if key is not None:  # derived per linear before any fp4_dot sees it: a float or int would seed silently
+      prng.check_key(key, "Llama")
     _, t = tokens.shape
     if t > self.config.max_seq_len:
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
