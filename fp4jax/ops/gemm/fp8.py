@@ -82,23 +82,25 @@ def fp8_gemm(a8: encoding.Fp8Operand, b8: encoding.Fp8Operand, out_dtype=jnp.flo
   precision = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
   acc = jax.lax.dot_general(a8.values, b8.values, KMAJOR_DOT, precision=precision,
                             preferred_element_type=_gemm_out_dtype(out_dtype))  # [M, N]
-  return _scale_rows_and_columns(acc.astype(jnp.float32), a8.row_scale, b8.row_scale).astype(out_dtype)
+  out = apply_factors(acc.astype(jnp.float32), a8.row_scale[:, None], b8.row_scale[None, :])
+  return out.astype(out_dtype)
 
 
-def _scale_rows_and_columns(acc: jax.Array, ra: jax.Array, rb: jax.Array) -> jax.Array:
-  """acc * ra[:, None] * rb[None, :] for row factors that are normal powers of two (or NaN), exact wherever the
-  result is a normal float32.
+def apply_factors(acc: jax.Array, row_f: jax.Array, col_f: jax.Array) -> jax.Array:
+  """acc * row_f * col_f for factors that are normal powers of two (or NaN), broadcast against acc; exact
+  wherever the result is a normal float32. Also the epilogue of the mosaic backend's kernel (`ops.gemm.mosaic`),
+  so its ops are ones Mosaic GPU lowers (NaN found as x != x).
 
   One factor after the other can overflow (or underflow) on the way where the result does not: row factor
   2^114 then column factor 2^-116 (blocks of 6 * 2^120 against 6 * 2^-110, K = 32) gave inf for a result of
   1179648. The summed exponent e is applied in two halves instead: each partial product lies between acc and
   the result, so neither leaves the range first.
   """
-  e = [(jax.lax.bitcast_convert_type(r, jnp.int32) >> 23) - 127 for r in (ra, rb)]  # 2^e = r, in [-126, 121]
-  e = e[0][:, None] + e[1][None, :]
+  exponent = lambda r: (jax.lax.bitcast_convert_type(r, jnp.int32) >> 23) - 127  # 2^e = r, in [-126, 121]
+  e = exponent(row_f) + exponent(col_f)
   half = e >> 1  # floor(e / 2): both halves stay in [-126, 121], where `ieee.pow2` is exact
   out = acc * ieee.pow2(half) * ieee.pow2(e - half)
-  return jnp.where(jnp.isnan(ra)[:, None] | jnp.isnan(rb)[None, :], jnp.nan, out)
+  return jnp.where((row_f != row_f) | (col_f != col_f), jnp.float32(jnp.nan), out)
 
 
 def scaled_fp8_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, out_dtype, *,

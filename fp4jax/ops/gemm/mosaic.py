@@ -6,7 +6,7 @@ pass over the output, otherwise, and a `lax.cond` picks at run time (XLA:GPU cop
 and waits for it, and compiles both branches). This backend always takes the per-row encoding
 (`numerics.fp8.mx_to_fp8`) and scales the float32 accumulator by 2^(e_a + e_b) before its one rounding to
 out_dtype: no branch, no pass over the output, the numbers of the fp8 backend's per-row path
-(`fp8._scale_rows_and_columns`: the exponent applied in two halves, so that no partial product leaves float32's
+(`fp8.apply_factors`: the exponent applied in two halves, so that no partial product leaves float32's
 range first; a NaN factor makes its row or column NaN).
 
 The kernel: persistent CTAs (one per SM) walk the output tiles; a producer warpgroup streams [tile, 128] slices
@@ -37,6 +37,7 @@ from jax._src import config as jax_config  # pylint: disable=g-direct-jax-src: w
 
 from fp4jax.numerics import fp8 as encoding
 from fp4jax.numerics.qtensor import QTensor, Quantized
+from fp4jax.ops.gemm import fp8
 from fp4jax.platform import compiles_for_gpu
 
 _EPI = 64  # epilogue sub-tile (rows and columns)
@@ -105,16 +106,6 @@ def _swizzled(minor_bytes: int, itemsize: int) -> tuple:
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
-  """float32 2^e for int32 e in [-126, 127], from exponent bits."""
-  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
-def _exponent(r: jax.Array) -> jax.Array:
-  """int32 e of a float32 power of two 2^e (a row factor)."""
-  return (lax.bitcast_convert_type(r, jnp.int32) >> 23) - 127
-
-
 def scaled_fp8_matmul(a: jax.Array, ra: jax.Array, b: jax.Array, rb: jax.Array, *, out_dtype,
                       config: TileConfig | None = None) -> jax.Array:
   """(a * ra[:, None]) @ (b * rb[:, None])^T for float8_e4m3fn a [M, K], b [N, K] (K-major) and float32 power-of-
@@ -166,12 +157,8 @@ def scaled_fp8_matmul(a: jax.Array, ra: jax.Array, b: jax.Array, rb: jax.Array, 
               for j in range(cfg.tile_n // _EPI):
                 sub_r, sub_c = slice(i * _EPI, (i + 1) * _EPI), slice(j * _EPI, (j + 1) * _EPI)
                 shape = (_EPI, _EPI)
-                row_f, col_f = (lax.broadcast_in_dim(ra[sub_r], shape, [0]),
-                                lax.broadcast_in_dim(rb[sub_c], shape, [1]))
-                e = _exponent(row_f) + _exponent(col_f)
-                half = e >> 1  # both halves in [-126, 121] (`fp8._scale_rows_and_columns`)
-                out = acc[sub_r, sub_c] * _pow2(half) * _pow2(e - half)
-                out = jnp.where((row_f != row_f) | (col_f != col_f), jnp.float32(jnp.nan), out)
+                out = fp8.apply_factors(acc[sub_r, sub_c], lax.broadcast_in_dim(ra[sub_r], shape, [0]),
+                                        lax.broadcast_in_dim(rb[sub_c], shape, [1]))
                 slot = (i * (cfg.tile_n // _EPI) + j) % 2
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                 out_smem[wg, slot] = out.astype(out_dtype)
