@@ -3,8 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 
+from bench.dot import abs_codes
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.reference import dequantize
+from fp4jax.ops.gemm import emulated
 
 
 def mx_qtensor(codes: np.ndarray, exps: np.ndarray) -> QTensor:
@@ -26,3 +28,13 @@ def random_mx(seed: int, r: int, k: int, span: int, lo: int = -20, hi: int = 20)
 
 def dequantized(q: QTensor) -> np.ndarray:
   return np.asarray(dequantize(q, jnp.float32))
+
+
+def abs_product(a: QTensor, b: QTensor) -> np.ndarray:
+  """|A| |B|^T of K-major operands (float32, emulated): what bounds the error of any sum of their products."""
+  return np.asarray(emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32))
+
+
+def summation_bound(a: QTensor, b: QTensor, k: int) -> np.ndarray:
+  """|diff| bound of two float32 sums of the same exact products: 2 K 2^-24 |A| |B|^T, + outer rounding."""
+  return 2 * k * 2.0**-24 * abs_product(a, b) * (1 + 2.0**-20)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.dot import abs_codes, cublas_fp8_gemms, gemm_targets, random_qtensor
+from bench.dot import cublas_fp8_gemms, gemm_targets, random_qtensor
 from fp4jax.numerics import fp8 as fp8_encoding
 from fp4jax.numerics.qtensor import QTensor, ScaledValues
 from fp4jax.numerics.reference import quantize
@@ -15,13 +15,7 @@ from fp4jax.numerics.values import scaled_values
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
-from mx_operands import dequantized, mx_qtensor, random_mx
-
-
-def _bound(a: QTensor, b: QTensor, k: int) -> np.ndarray:
-  """|diff| bound of two float32 sums of the same exact products: 2 K 2^-24 |A| |B|^T, + outer rounding."""
-  absprod = gemm_emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32)
-  return np.asarray(2 * k * 2.0**-24 * absprod * (1 + 2.0**-20))
+from mx_operands import dequantized, mx_qtensor, random_mx, summation_bound
 
 
 @pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"), ("nvfp4_tile", "nvfp4_tile"),
@@ -37,10 +31,11 @@ def test_gemm_matches_emulated(fmt_a, fmt_b):
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
   assert out.shape == (m, n) and out.dtype == np.float32
-  assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+  assert np.all(np.abs(out - ref) <= summation_bound(a, b, k))
   out16 = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16))(a, b)
   assert out16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7, atol=float(_bound(a, b, k).max()))
+  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7,
+                             atol=float(summation_bound(a, b, k).max()))
 
 
 @pytest.mark.parametrize("span_a,span_b", [(3, 14), (14, 0), (15, 2), (2, 20)])
@@ -60,7 +55,7 @@ def test_tensor_scaled_path_taken_only_when_exact(span_a, span_b):
     np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)) * float(factor), dequantized(a))
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
-  assert np.all(np.abs(out - ref) <= _bound(a, b, k))
+  assert np.all(np.abs(out - ref) <= summation_bound(a, b, k))
   # The shared encoding (one per operand, outside the cond) gives the bits of each path computed on its own.
   own = jax.jit(lambda a, b: gemm_fp8.fp8_gemm_tensor_scaled(a, b, jnp.float32) if fast else
                 gemm_fp8.fp8_gemm(fp8_encoding.mx_to_fp8(a), fp8_encoding.mx_to_fp8(b), jnp.float32))
@@ -188,7 +183,7 @@ def test_scaled_values_operands_give_the_codes_product(fmt_a, fmt_b):
     assert gemm_fp8.supports(*pair)
     got = np.asarray(gemm_fp8.gemm(*pair, out_dtype=jnp.float32))
     if getattr(pair[0], "transposed", False):
-      assert np.all(np.abs(got - want) <= _bound(a, b, k))
+      assert np.all(np.abs(got - want) <= summation_bound(a, b, k))
     else:
       np.testing.assert_array_equal(got, want)
 

@@ -9,14 +9,13 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from bench.dot import abs_codes
 from fp4jax import Impl
 from fp4jax.numerics import fp8 as encoding
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.reference import quantize
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated, fp8, mosaic
-from mx_operands import mx_qtensor, random_mx
+from mx_operands import abs_product, mx_qtensor, random_mx, summation_bound
 
 
 def _per_row_fp8(a: QTensor, b: QTensor, out_dtype) -> np.ndarray:
@@ -29,12 +28,6 @@ def _interpreted(a: QTensor, b: QTensor, out_dtype) -> np.ndarray:
     return np.asarray(mosaic.gemm(a, b, out_dtype=out_dtype))
 
 
-def _bound(a: QTensor, b: QTensor) -> np.ndarray:
-  """|diff| bound of two float32 sums of the same exact products: 2 K 2^-24 |A| |B|^T (and 2^-20 slack)."""
-  absprod = emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32)
-  return np.asarray(2 * a.shape[1] * 2.0**-24 * absprod * (1 + 2.0**-20))
-
-
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_interpreted_is_the_product_up_to_summation_order(out_dtype):
   """Rows spanning 2^10 with row exponents in [-20, 20], N split across the two warpgroups: the emulated
@@ -45,7 +38,7 @@ def test_interpreted_is_the_product_up_to_summation_order(out_dtype):
   assert out.shape == (128, 256) and out.dtype == np.dtype(out_dtype)
   ref = np.asarray(emulated.gemm(a, b, out_dtype=jnp.float32))
   ulp = 2.0**-8 * np.abs(ref) if out_dtype == jnp.bfloat16 else 0
-  assert np.all(np.abs(np.asarray(out, np.float32) - ref) <= _bound(a, b) * (1 + 2.0**-7) + ulp)
+  assert np.all(np.abs(np.asarray(out, np.float32) - ref) <= summation_bound(a, b, a.shape[1]) * (1 + 2.0**-7) + ulp)
 
 
 def test_interpreted_nan_rows_columns_and_extreme_factors():
@@ -66,7 +59,7 @@ def test_interpreted_nan_rows_columns_and_extreme_factors():
   np.testing.assert_array_equal(np.isnan(out), expect_nan)
   ref = np.asarray(emulated.gemm(a, b, out_dtype=jnp.float32))
   assert np.isfinite(out[~expect_nan]).all() and np.isfinite(ref[~expect_nan]).all()
-  assert np.all(np.abs(out - ref)[~expect_nan] <= _bound(a, b)[~expect_nan])
+  assert np.all(np.abs(out - ref)[~expect_nan] <= summation_bound(a, b, a.shape[1])[~expect_nan])
 
 
 def test_supports_mxfp4_pairs_its_tiles_cover():
@@ -117,5 +110,4 @@ def test_gpu_matches_the_fp8_backend():
   np.testing.assert_array_equal(out, _per_row_fp8(a, b, jnp.bfloat16))
   np.testing.assert_array_equal(out, np.asarray(fp8.gemm(a, b, out_dtype=jnp.bfloat16)))
   out32 = np.asarray(mosaic.gemm(a, b, out_dtype=jnp.float32))
-  absprod = np.asarray(emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32))
-  assert np.all(np.abs(out32 - np.asarray(emulated.gemm(a, b, out_dtype=jnp.float32))) <= 2**-9 * absprod)
+  assert np.all(np.abs(out32 - np.asarray(emulated.gemm(a, b, out_dtype=jnp.float32))) <= 2**-9 * abs_product(a, b))
