@@ -15,15 +15,15 @@ from fp4jax.numerics.values import scaled_values
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
-from mx_operands import dequantized, mx_qtensor, random_mx, summation_bound
+from mx_operands import abs_product, dequantized, fp8_sum_bound, mx_qtensor, random_mx, summation_bound
 
 
 @pytest.mark.parametrize("fmt_a,fmt_b", [("mxfp4", "mxfp4"), ("nvfp4", "nvfp4"), ("nvfp4_tile", "nvfp4_tile"),
                                          ("mxfp4", "nvfp4"), ("nvfp4", "mxfp4")])
 def test_gemm_matches_emulated(fmt_a, fmt_b):
-  """Both compute the same exact products in float32; only the accumulation order (and, for NVFP4, where the
-  outer factor is rounded) differs, so |fp8 - emulated| <= 2 K 2^-24 (|A| |B|^T) (plus 3 roundings of the outer
-  product, covered by 2^-20 relative slack)."""
+  """Both compute the same exact products; only the accumulation (and, for NVFP4, where the outer factor is
+  rounded) differs, so |fp8 - emulated| <= 2 K 2^-24 (|A| |B|^T) on a CPU (plus 3 roundings of the outer
+  product, covered by 2^-20 relative slack), FP8 tensor cores' accumulation on a GPU (`fp8_sum_bound`)."""
   m, n, k = 24, 40, 256
   ka, kb = jax.random.split(jax.random.key(len(fmt_a) * 10 + len(fmt_b)))
   a, b = random_qtensor(ka, fmt_a, m, k, span=10), random_qtensor(kb, fmt_b, n, k, span=10)
@@ -31,11 +31,11 @@ def test_gemm_matches_emulated(fmt_a, fmt_b):
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
   assert out.shape == (m, n) and out.dtype == np.float32
-  assert np.all(np.abs(out - ref) <= summation_bound(a, b, k))
+  bound = fp8_sum_bound(abs_product(a, b), k)
+  assert np.all(np.abs(out - ref) <= bound)
   out16 = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16))(a, b)
   assert out16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7,
-                             atol=float(summation_bound(a, b, k).max()))
+  np.testing.assert_allclose(np.asarray(out16, np.float32), ref, rtol=2**-7, atol=float(bound.max()))
 
 
 @pytest.mark.parametrize("span_a,span_b", [(3, 14), (14, 0), (15, 2), (2, 20)])
@@ -55,7 +55,7 @@ def test_tensor_scaled_path_taken_only_when_exact(span_a, span_b):
     np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)) * float(factor), dequantized(a))
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
-  assert np.all(np.abs(out - ref) <= summation_bound(a, b, k))
+  assert np.all(np.abs(out - ref) <= fp8_sum_bound(abs_product(a, b), k))
   # The shared encoding (one per operand, outside the cond) gives the bits of each path computed on its own.
   own = jax.jit(lambda a, b: gemm_fp8.fp8_gemm_tensor_scaled(a, b, jnp.float32) if fast else
                 gemm_fp8.fp8_gemm(fp8_encoding.mx_to_fp8(a), fp8_encoding.mx_to_fp8(b), jnp.float32))
@@ -124,14 +124,14 @@ FP8_PAIRS = [("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e4m3"), ("fp8_e4m3", "f
 def test_fp8_formats_gemm_matches_emulated(fmt_a, fmt_b):
   """Per-tensor FP8 operands: XLA:CPU rounds value * factor once per element, as `dequantize` does, and dots in
   float32, so the product differs from the emulated one only in the order of the sums: |diff| <= 2 K 2^-24
-  (|A| |B|^T) for the dequantized A, B."""
+  (|A| |B|^T) for the dequantized A, B (on a GPU, FP8 tensor cores' accumulation: `fp8_sum_bound`)."""
   m, n, k = 24, 40, 200
   ka, kb = jax.random.split(jax.random.key(len(fmt_a) + 3 * len(fmt_b)))
   a = quantize(jax.random.normal(ka, (m, k)) * 30, fmt_a)  # K-major [M, K]
   b = quantize(jax.random.normal(kb, (n, k)) * 1e-3, fmt_b)  # K-major [N, K]
   assert gemm_fp8.supports(a, b) and gemm_lib.select(a, b, "fp8") == "fp8"
   ad, bd = dequantized(a).astype(np.float64), dequantized(b).astype(np.float64)
-  bound = 2 * k * 2.0**-24 * (np.abs(ad) @ np.abs(bd).T)
+  bound = fp8_sum_bound(np.abs(ad) @ np.abs(bd).T, k)
   ref = np.asarray(gemm_emulated.gemm(a, b, out_dtype=jnp.float32))
   out = np.asarray(jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.float32))(a, b))
   assert out.shape == (m, n) and out.dtype == np.float32
@@ -162,8 +162,6 @@ def test_fp8_formats_are_one_cublaslt_fp8_gemm_on_gpu(fmt_a, fmt_b):
   b = quantize(jax.random.normal(kb, (4096, 4096), jnp.bfloat16), fmt_b)
   hlo = jax.jit(lambda a, b: gemm_fp8.gemm(a, b, out_dtype=jnp.bfloat16)).lower(a, b).compile().as_text()
   assert gemm_targets(hlo) == ["__cublas$lt$matmul$f8"], gemm_targets(hlo)
-
-
 
 
 @pytest.mark.parametrize("fmt_a,fmt_b", [("nvfp4", "nvfp4"), ("nvfp4_tile", "nvfp4_tile"), ("mxfp4", "nvfp4")])
