@@ -35,13 +35,6 @@ _BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("cosine", "wsd")
 TOKENIZERS = ("byte", "gpt2", "sentencepiece")
-# The range of each numeric LlamaConfig field (and of its rope_scaling's) that model.overrides may set, checked after
-# the value is converted to the field's type; the model then checks that n_kv_heads | n_heads | dim.
-_MODEL_RULES = {**dict.fromkeys(("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"),
-                                _AT_LEAST_1),
-                **dict.fromkeys(("rope_theta", "norm_eps", "init_std"), _POSITIVE)}
-_ROPE_SCALING_RULES = {**dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor"), _POSITIVE),
-                       "original_max_position": _AT_LEAST_1}
 
 
 def _one_of(choices: typing.Sequence[str]) -> tuple[Any, str]:
@@ -82,6 +75,7 @@ class ModelConfig:
 
   def __post_init__(self):
     from fp4jax.nn.llama import PRESETS, LlamaConfig  # pylint: disable=g-import-not-at-top
+    from fp4jax.nn.llama.config import FieldError  # pylint: disable=g-import-not-at-top
     from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
     _check_counts("model", self, {"preset": _one_of(list(PRESETS)), "dtype": _one_of(DTYPES),
                                   "scan_layers": _one_of([True, False, "auto"]),
@@ -92,26 +86,28 @@ class ModelConfig:
       raise ConfigError(f"unknown key(s) {['model.overrides.' + k for k in unknown]}; valid keys in "
                         f"model.overrides: {valid}")
     object.__setattr__(self, "overrides", _model_overrides(self.overrides, LlamaConfig))
-    try:  # the model's own checks (dim a multiple of n_heads, ...) now rather than after tokenizing
+    try:  # the model's own checks (n_layers >= 1, dim a multiple of n_heads, ...) now rather than after tokenizing
       LlamaConfig.preset(self.preset, **self.overrides)
+    except FieldError as e:  # a value out of its range, named by its key
+      raise ConfigError(e.named(f"model.overrides.{e.field}")) from e
     except (TypeError, ValueError) as e:
       raise ConfigError(f"model.overrides={self.overrides}: {e}") from e
 
 
 def _model_overrides(overrides: dict[str, Any], llama_config: type) -> dict[str, Any]:
-  """`overrides` converted to the types of the LlamaConfig fields they name and checked against `_MODEL_RULES`, so
-  that dim=32.0, n_layers=0 or norm_eps=-1 fail here in one line, not inside JAX or as a NaN loss after tokenizing."""
+  """`overrides` converted to the types of the LlamaConfig fields they name, so that dim=32.0 is 32 and dim=32.5
+  fails here in one line; the ranges (n_layers=0, norm_eps=-1) are LlamaConfig's and Llama3RopeScaling's own
+  checks, named here by the key that set the value."""
+  from fp4jax.nn.llama.config import FieldError  # pylint: disable=g-import-not-at-top
   hints = typing.get_type_hints(llama_config)
   try:
-    out = {k: convert(v, hints[k], f"model.overrides.{k}") for k, v in overrides.items()}
+    return {k: convert(v, hints[k], f"model.overrides.{k}") for k, v in overrides.items()}
   except ConfigError:
     raise
+  except FieldError as e:  # a rope_scaling value out of its range
+    raise ConfigError(e.named(f"model.overrides.rope_scaling.{e.field}")) from e
   except ValueError as e:  # Llama3RopeScaling's own check: high_freq_factor > low_freq_factor
     raise ConfigError(f"model.overrides.rope_scaling={overrides.get('rope_scaling')!r}: {e}") from e
-  _check_counts("model.overrides", types.SimpleNamespace(**out), {k: _MODEL_RULES[k] for k in out if k in _MODEL_RULES})
-  if out.get("rope_scaling") is not None:
-    _check_counts("model.overrides.rope_scaling", out["rope_scaling"], _ROPE_SCALING_RULES)
-  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -303,6 +303,34 @@ def test_config_validation_and_presets(bf16_model):
   assert abs(PRESETS["llama3_8b"].num_params() - 8.03e9) < 0.01e9  # Llama 3.1 8B: 8,030,261,248.
 
 
+@pytest.mark.parametrize("field, value, error, match", [
+    ("n_heads", 0, ValueError, r"^LlamaConfig.n_heads=0 must be >= 1$"),  # was a ZeroDivisionError
+    ("n_layers", 0, ValueError, r"LlamaConfig.n_layers=0 must be >= 1"),
+    ("dim", 64.0, TypeError, r"LlamaConfig.dim takes an int, got 64.0"),
+    ("vocab_size", True, TypeError, r"LlamaConfig.vocab_size takes an int, got True"),
+    ("rope_theta", 0, ValueError, r"LlamaConfig.rope_theta=0.0 must be a finite number > 0"),  # NaN logits
+    ("norm_eps", -1e-5, ValueError, r"LlamaConfig.norm_eps=-1e-05 must be a finite number > 0"),
+    ("init_std", math.nan, ValueError, r"LlamaConfig.init_std=nan must be a finite number > 0"),
+    ("rope_theta", "1e4", TypeError, r"LlamaConfig.rope_theta takes a number, got '1e4'"),
+    ("tie_embeddings", "false", TypeError, r"LlamaConfig.tie_embeddings takes True or False, got 'false'"),
+    ("fuse_linears", 1, TypeError, r"LlamaConfig.fuse_linears takes True or False, got 1"),
+    ("rope_scaling", {"factor": 8.0}, TypeError, r"rope_scaling takes a Llama3RopeScaling or None, got \{'fac"),
+])
+def test_config_fields_are_checked_on_construction(field, value, error, match):
+  """Library users get the training CLI's checks: a string flag was truthy, a dict stood for a
+  Llama3RopeScaling, rope_theta=0 or a negative norm_eps gave NaN logits."""
+  with pytest.raises(error, match=match):
+    dataclasses.replace(TINY, **{field: value})
+
+
+def test_rope_scaling_fields_are_checked_and_numpy_scalars_stored_as_python_numbers():
+  with pytest.raises(ValueError, match=r"Llama3RopeScaling.factor=0.0 must be a finite number > 0"):
+    Llama3RopeScaling(factor=0)
+  with pytest.raises(ValueError, match=r"Llama3RopeScaling.original_max_position=0 must be >= 1"):
+    Llama3RopeScaling(original_max_position=0)
+  config = dataclasses.replace(TINY, dim=np.int64(64), rope_theta=np.float32(1e4))
+  assert type(config.dim) is int and type(config.rope_theta) is float and config == TINY
+
 @pytest.mark.parametrize("route, groups, saves", [("bf16", [range(0, 4)], "outputs"),
                                                   ("bf16", [range(0, 4)], "operands"),
                                                   ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)], "outputs")])

@@ -3,6 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from typing import Any
+
+
+class FieldError(ValueError):
+  """A field of a LlamaConfig or Llama3RopeScaling outside its range. The message names it `{class}.{field}`;
+  `named(key)` is the same message naming it `key` instead (the config-file key that set it, say)."""
+
+  def __init__(self, owner: str, field: str, value: Any, need: str):
+    self.field, self.value, self.need = field, value, need
+    super().__init__(self.named(f"{owner}.{field}"))
+
+  def named(self, key: str) -> str:
+    return f"{key}={self.value!r} must be {self.need}"
+
+
+def _check_fields(cfg: Any, kinds: dict[str, str]) -> None:
+  """Checks each field of the frozen dataclass `cfg` named in `kinds`, in order: "count" an int >= 1, "positive"
+  a finite number > 0, "bool" True or False. A wrong type is a TypeError (a string "false" would be truthy, a
+  dict no Llama3RopeScaling), a value out of range a FieldError (n_heads=0 divides by zero, rope_theta=0 or
+  norm_eps < 0 give NaN logits). NumPy scalars are stored as the int or float they hold."""
+  owner = type(cfg).__name__
+  for name, kind in kinds.items():
+    value = getattr(cfg, name)
+    if kind == "bool":
+      if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} takes True or False, got {value!r}")
+      continue
+    count = kind == "count"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if count else numbers.Real):
+      raise TypeError(f"{owner}.{name} takes {'an int' if count else 'a number'}, got {value!r}")
+    value = int(value) if count else float(value)
+    object.__setattr__(cfg, name, value)
+    if not (value >= 1 if count else 0 < value < math.inf):
+      raise FieldError(owner, name, value, ">= 1" if count else "a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +51,8 @@ class Llama3RopeScaling:
   original_max_position: int = 8192
 
   def __post_init__(self):
+    _check_fields(self, {"factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
+                         "original_max_position": "count"})
     if not self.high_freq_factor > self.low_freq_factor:
       raise ValueError(f"{self.high_freq_factor=} must exceed {self.low_freq_factor=}")
 
@@ -24,7 +62,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", None)
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Llama shape and numerics. head_dim = dim // n_heads; n_heads must be a multiple of n_kv_heads (GQA).
+  """Llama shape and numerics. head_dim = dim // n_heads; n_heads must be a multiple of n_kv_heads (GQA). Sizes
+  are ints >= 1, rope_theta, norm_eps and init_std finite numbers > 0, the flags True or False: anything else
+  is a TypeError or a `FieldError` (a ValueError) on construction.
 
   `init_std`: every matrix (embedding included) starts as normal(0, init_std), as HF Llama's
   initializer_range. `attention_impl`: "auto" (default) takes cuDNN's fused flash attention when compiling for a
@@ -50,6 +90,13 @@ class LlamaConfig:
   fuse_linears: bool = True
 
   def __post_init__(self):
+    _check_fields(self, {**dict.fromkeys(("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                          "max_seq_len"), "count"),
+                         "rope_theta": "positive", "norm_eps": "positive", "tie_embeddings": "bool",
+                         "init_std": "positive", "fuse_linears": "bool"})
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+      raise TypeError(f"LlamaConfig.rope_scaling takes a Llama3RopeScaling or None, got {self.rope_scaling!r} "
+                      f"(Llama3RopeScaling(**mapping) builds one from a mapping)")
     if self.dim % self.n_heads:
       raise ValueError(f"{self.dim=} must be a multiple of {self.n_heads=}")
     if self.n_heads % self.n_kv_heads:
