@@ -75,16 +75,29 @@ class RouteRules:
   `rules`: the user's, tried first; a model rejects one that decides no layer's route (`unused`).
   `default`: the route of a path no rule matches. `fallback`: rules tried after `rules` that may decide no
   path, a recipe's generic ones (`standard`). Routes are preset names or `Route` objects, kept as given.
+  `n_layers`: the model depth the rules were made for (`standard`: its last blocks are counted from it), which
+  a model of another depth refuses (`check_depth`); None for rules that fit any depth.
   """
 
   rules: tuple[Rule, ...]
   default: str | Route = "bf16"
   fallback: tuple[Rule, ...] = ()
+  n_layers: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "rules", _rules(self.rules, "rules"))
     object.__setattr__(self, "fallback", _rules(self.fallback, "fallback"))
     _route(self.default, "RouteRules' default")
+    if self.n_layers is not None and (not isinstance(self.n_layers, int) or isinstance(self.n_layers, bool)
+                                      or self.n_layers < 0):
+      raise TypeError(f"RouteRules' n_layers takes an int >= 0 or None, got {self.n_layers!r}")
+
+  def check_depth(self, n_layers: int) -> None:
+    """A ValueError if the rules were made for a model of other than `n_layers` blocks: "the last 2 blocks in
+    bf16" made for 16 blocks would put blocks 14 and 15 in bf16, none of a 6-block model's."""
+    if self.n_layers is not None and self.n_layers != n_layers:
+      raise ValueError(f"route rules made for {self.n_layers} blocks (RouteRules.standard(n_layers="
+                       f"{self.n_layers})) given a model of {n_layers} blocks: make them with n_layers={n_layers}")
 
   def _decider(self, path: str) -> int | None:
     """Index in rules + fallback of the first rule whose regex fully matches `path`; None if none does."""
@@ -133,7 +146,8 @@ class RouteRules:
     """The usual recipe: every block linear on `route` except the first/last N blocks; the rest bf16.
 
     The embedding and lm_head stay bf16 (every FP4 pretraining reference keeps them high precision). All of
-    it is `fallback`: put your own rules in front with `dataclasses.replace(rules, rules=...)`.
+    it is `fallback`: put your own rules in front with `dataclasses.replace(rules, rules=...)`. `n_layers` is
+    the depth of the model the rules are for: a model of another depth refuses them (`check_depth`).
     """
     for name, value in (("n_layers", n_layers), ("bf16_first", bf16_first), ("bf16_last", bf16_last)):
       if not isinstance(value, int) or isinstance(value, bool):
@@ -145,4 +159,4 @@ class RouteRules:
     if high:
       rules.append((rf"layers\.({'|'.join(map(str, high))})\..*", "bf16"))
     rules.append((r"layers\.\d+\..*", route))
-    return cls((), default="bf16", fallback=tuple(rules))
+    return cls((), default="bf16", fallback=tuple(rules), n_layers=n_layers)

@@ -292,6 +292,8 @@ def test_weight_decay_reaches_matrices_only_stacked_or_not(scan):
 def test_config_validation_and_presets(bf16_model):
   with pytest.raises(ValueError, match="self.n_heads=6 must be a multiple of self.n_kv_heads=4"):
     dataclasses.replace(TINY, dim=96, n_heads=6, n_kv_heads=4)
+  with pytest.raises(ValueError, match="route rules made for 16 blocks .* given a model of 2 blocks"):
+    Llama(TINY, rules=RouteRules.standard("mxfp4", n_layers=16, bf16_last=2), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="unknown Llama preset 'huge'"):
     LlamaConfig.preset("huge")
   with pytest.raises(ValueError, match="sequence length 200 exceeds"):

@@ -60,6 +60,19 @@ def test_standard_preset():
     RouteRules.standard("mxfp4", n_layers=2, bf16_first=2, bf16_last=1)
 
 
+def test_standard_rules_refuse_a_model_of_another_depth():
+  """"The last 2 blocks in bf16" made for 16 blocks would put none of a 6-block model's blocks in bf16."""
+  rules = RouteRules.standard("nvfp4", n_layers=16, bf16_last=2)
+  rules.check_depth(16)
+  with pytest.raises(ValueError, match=r"made for 16 blocks .* given a model of 6 blocks: make them with n_layers=6"):
+    rules.check_depth(6)
+  with pytest.raises(ValueError, match="made for 16 blocks"):  # the user's rules put in front keep the depth
+    dataclasses.replace(rules, rules=RouteRules.parse(["lm_head=mxfp4"]).rules).check_depth(6)
+  RouteRules.parse([r"layers\.0\..*=bf16"]).check_depth(6)  # rules by regex alone fit any depth
+  with pytest.raises(TypeError, match="n_layers takes an int >= 0 or None, got 2.0"):
+    RouteRules((), n_layers=2.0)
+
+
 def test_attention_and_mlp_are_distinguishable():
   rules = RouteRules.parse([r"layers\.\d+\.attn\..*=bf16", r"layers\.\d+\.mlp\..*=mxfp4"])
   assert _names(rules, ["layers.3.attn.v", "layers.3.mlp.gate"]) == ["bf16", "mxfp4"]

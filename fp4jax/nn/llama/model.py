@@ -82,7 +82,8 @@ SCAN_POLICIES: dict[str, SavePolicy] = {
 
 class Llama(nnx.Module):
   """Decoder-only Llama with FP4 dense layers routed per module path by `rules`; one of the user's rules
-  (`RouteRules.rules`, not the recipe's fallback) that decides no linear is a ValueError (`RouteRules.unused`).
+  (`RouteRules.rules`, not the recipe's fallback) that decides no linear is a ValueError (`RouteRules.unused`),
+  and so are rules made for another depth (`RouteRules.check_depth`).
 
   Random keys: pass one key per step; block l's linears get prng.fold_in(key, 7l + j) (see
   `layers.linear_index`), the lm_head prng.fold_in(key, 7 * n_layers). Parameters carry FSDP sharding metadata
@@ -100,6 +101,7 @@ class Llama(nnx.Module):
                scan_policy: SavePolicy = SCAN_SAVES):
     if scan_layers not in (True, False, "auto"):
       raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
+    rules.check_depth(config.n_layers)
     self.config = config
     self.scan_policy = scan_policy
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
