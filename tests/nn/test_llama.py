@@ -263,6 +263,13 @@ def test_stacked_and_unrolled_layouts_hold_the_same_parameters():
   model_lib.copy_params(one_run, back)
   assert one_run.block_groups == (range(0, 4),)
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(back)), per_layer)
+  # Into a model of bf16 parameters: the values are cast to them (they took src's float32 and changed its dtype).
+  bf16 = Llama(config, rules=rules, rngs=nnx.Rngs(3), param_dtype=jnp.bfloat16, scan_layers=True)
+  model_lib.copy_params(back, bf16)
+  assert {p.dtype for p in jax.tree.leaves(nnx.state(bf16))} == {jnp.dtype(jnp.bfloat16)}
+  cast = jax.tree.map(lambda p: np.asarray(p.astype(jnp.bfloat16)), per_layer)
+  jax.tree.map(np.testing.assert_array_equal, model_lib.unstacked_params(nnx.to_pure_dict(nnx.state(bf16)), groups),
+               cast, is_leaf=lambda p: isinstance(p, np.ndarray))
   with pytest.raises(ValueError, match="copy_params needs two models of one config"):
     model_lib.copy_params(scanned, Llama(TINY, rules=RouteRules.standard("bf16", n_layers=TINY.n_layers),
                                          rngs=nnx.Rngs(0)))

@@ -237,7 +237,9 @@ def stacked_params(pure: Any, groups: Sequence[range]) -> Any:
 
 def copy_params(src: Llama, dst: Llama) -> None:
   """Sets every parameter of `dst` to `src`'s, whichever layout each holds its blocks in (scanned or unrolled,
-  other route rules, so other groups). The two must have one config (shapes); raises ValueError otherwise."""
+  other route rules, so other groups), cast to the dtype of `dst`'s parameter (its `param_dtype`: float32 master
+  weights copied into a bf16 model stay bf16 there). The two must have one config (shapes); raises ValueError
+  otherwise."""
   if src.config != dst.config:
     raise ValueError(f"copy_params needs two models of one config: {src.config} != {dst.config}")
   pure = nnx.to_pure_dict(nnx.state(src, nnx.Param))
@@ -246,6 +248,7 @@ def copy_params(src: Llama, dst: Llama) -> None:
   if dst.scan_layers:
     pure = stacked_params(pure, dst.block_groups)
   state = nnx.state(dst, nnx.Param)
+  pure = jax.tree.map(lambda p, d: p if p.dtype == d.dtype else p.astype(d.dtype), pure, nnx.to_pure_dict(state))
   nnx.replace_by_pure_dict(state, pure)
   nnx.update(dst, state)
 
