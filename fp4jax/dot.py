@@ -248,10 +248,16 @@ def check_out_dtype(out_dtype, what: str) -> np.dtype:
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
     raise ValueError(f"{what} takes a floating-point dtype of 16 bits or more (jnp.float32, jnp.bfloat16, ...), "
                      f"got {out_dtype!r}")
+  check_x64(dtype, what)
+  return np.dtype(dtype)
+
+
+def check_x64(dtype: np.dtype, what: str) -> None:
+  """A ValueError starting with `what` if JAX would hold `dtype` as another one: float64 (or int64) without
+  jax_enable_x64, which JAX silently truncates to 32 bits."""
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
     raise ValueError(f"{what}{dtype} needs jax_enable_x64 (JAX would truncate it to "
                      f"{jax.dtypes.canonicalize_dtype(dtype)})")
-  return np.dtype(dtype)
 
 
 def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

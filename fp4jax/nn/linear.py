@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
-from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
+from fp4jax.dot import check_out_dtype, check_x64, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
 from fp4jax.route import Route
@@ -78,6 +78,7 @@ class FP4Linear(nnx.Module):
     in_features, out_features = int(in_features), int(out_features)  # NumPy ints too (a shape's entries)
     if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
       raise ValueError(f"FP4Linear's param_dtype= takes a floating-point dtype, got {jnp.dtype(param_dtype)}")
+    check_x64(jnp.dtype(param_dtype), "FP4Linear's param_dtype=")  # float64 would be float32, silently
     if (isinstance(kernel_sharding, str) or len(kernel_sharding) != 2
         or not all(a is None or isinstance(a, str) for a in kernel_sharding)):
       raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out]), got "
