@@ -66,9 +66,15 @@ def test_routes_follow_the_documented_paths():
   assert set(routes) == expected | {"lm_head"}
   assert routes["layers.1.attn.k"] == "mxfp4_rtn" and routes["layers.1.mlp.down"] == "nvfp4_46"
   assert routes["layers.0.mlp.down"] == "bf16" and routes["lm_head"] == "mxfp4"
-  # Each linear gets its own key index.
-  indices = [layers.linear_index(p) for p in expected]
-  assert sorted(indices) == list(range(layers.LINEARS_PER_BLOCK * TINY.n_layers))
+  # Each linear gets its own key index, the lm_head the one after every block's.
+  indices = [layers.linear_index(p, n_layers=TINY.n_layers) for p in routes]
+  assert sorted(indices) == list(range(layers.LINEARS_PER_BLOCK * TINY.n_layers + 1))
+  assert layers.linear_index("lm_head", n_layers=TINY.n_layers) == layers.LINEARS_PER_BLOCK * TINY.n_layers
+  with pytest.raises(ValueError, match=r"linear_index\('lm_head'\) needs the model's n_layers="):
+    layers.linear_index("lm_head")  # was "not enough values to unpack"
+  for path in ("layers.0.attn.gate", "embed", "layers.2.mlp.up"):  # the last: past the model's blocks
+    with pytest.raises(ValueError, match=rf"path of a Llama linear, .* or lm_head, got '{path}'"):
+      layers.linear_index(path, n_layers=TINY.n_layers)
 
 
 @pytest.mark.parametrize("route", ["bf16", "mxfp4_rtn"])

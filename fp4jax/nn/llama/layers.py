@@ -12,6 +12,7 @@ Shapes: B batch, T sequence, D model dim, H query heads, K kv heads, Dh head dim
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -33,14 +34,25 @@ MLP_LINEARS = ("gate", "up", "down")
 LINEARS_PER_BLOCK = len(ATTN_LINEARS) + len(MLP_LINEARS)
 
 
-def linear_index(path: str) -> int:
-  """The fixed index i of the linear at `path`; it receives `fold_in(key, i)` from the model's key.
+def linear_index(path: str, *, n_layers: int | None = None) -> int:
+  """The fixed index i of the linear at `path` (a path of `Llama.routes()`); it receives `fold_in(key, i)` from
+  the model's key.
 
-  layers.{l}.attn.{q,k,v,o} -> 7l + 0..3, layers.{l}.mlp.{gate,up,down} -> 7l + 4..6, and
-  lm_head -> 7 * n_layers (computed by the model).
+  layers.{l}.attn.{q,k,v,o} -> 7l + 0..3, layers.{l}.mlp.{gate,up,down} -> 7l + 4..6, and lm_head -> 7 * n_layers,
+  after every block's: it needs the model's `n_layers`, which also bounds l when given. Another path, or lm_head
+  without n_layers, is a ValueError.
   """
-  _, layer, group, name = path.split(".")
-  return _block_linear_index(int(layer), group, name)
+  if path == "lm_head":
+    if n_layers is None:
+      raise ValueError("linear_index('lm_head') needs the model's n_layers=: the lm_head's index is 7 * n_layers")
+    return LINEARS_PER_BLOCK * n_layers
+  match = re.fullmatch(r"layers\.(\d+)\.(attn|mlp)\.(\w+)", path) if isinstance(path, str) else None
+  if match is None or match[3] not in (ATTN_LINEARS if match[2] == "attn" else MLP_LINEARS) or (
+      n_layers is not None and int(match[1]) >= n_layers):
+    blocks = "l" if n_layers is None else f"l < {n_layers}"
+    raise ValueError(f"linear_index takes the path of a Llama linear, layers.{{{blocks}}}.attn.{{q,k,v,o}}, "
+                     f"layers.{{{blocks}}}.mlp.{{gate,up,down}} or lm_head, got {path!r}")
+  return _block_linear_index(int(match[1]), match[2], match[3])
 
 
 def _block_linear_index(layer: int | jax.Array, group: str, name: str) -> int | jax.Array:

@@ -47,7 +47,7 @@ from fp4jax.impl import Impl
 from fp4jax.nn import linear, rules as rules_lib, scan as scan_lib
 from fp4jax.nn.linear import FP4Linear, sharded_init
 from fp4jax.nn.llama.config import LlamaConfig
-from fp4jax.nn.llama.layers import LINEARS_PER_BLOCK, Block, RMSNorm, fsdp_sharding
+from fp4jax.nn.llama.layers import Block, RMSNorm, fsdp_sharding, linear_index
 from fp4jax.nn.rules import RouteRules
 from fp4jax.numerics import prng
 
@@ -168,8 +168,7 @@ class Llama(nnx.Module):
       table = self.embed.embedding[...].astype(x.dtype)  # [V, D]
       logits = dot.fp4_dot(x, table.T, route="bf16", out_dtype=jnp.float32)  # [B, T, V]
     else:
-      head_index = LINEARS_PER_BLOCK * self.config.n_layers
-      head_key = None if key is None else prng.fold_in(key, head_index)
+      head_key = None if key is None else prng.fold_in(key, linear_index("lm_head", n_layers=self.config.n_layers))
       logits = self.lm_head(x, key=head_key)  # [B, T, V]
     return logits.astype(jnp.float32)
 
