@@ -15,9 +15,11 @@ cast and a concatenation of every kernel), which made scanned steps slower on an
 The two layouts hold the same numbers: a scanned model is initialized as the unrolled one and then stacked, and
 `unstacked_params` / `stacked_params` convert a state (parameters, gradients, optimizer moments as pure dicts)
 between them (`copy_params` between two models). Scanned and unrolled give bit-identical numbers on the CPU
-(the layer index reaches the per-linear keys as a traced loop index); on an H200, XLA fused a bf16 unrolled
-step differently (a Llama-30M loss differed in its 6th digit, docs/BENCHMARKS.md). A reduction over the whole
-state, such as optax's global gradient norm, sums a stacked leaf in another float32 order than per-layer ones.
+under `jax.jit` (the layer index reaches the per-linear keys as a traced loop index). Called eagerly they do
+not: the unrolled blocks then run op by op and round otherwise than compiled ones, while a scanned run's loop
+is compiled either way. On an H200, XLA fused a bf16 unrolled step differently (a Llama-30M loss differed in its
+6th digit, docs/BENCHMARKS.md). A reduction over the whole state, such as optax's global gradient norm, sums a
+stacked leaf in another float32 order than per-layer ones.
 
 What a scanned body saves for the backward crosses the loop boundary, so it is written to memory, where an
 unrolled program lets XLA fuse a cheap producer into its backward consumer instead. Saving everything (JAX's
@@ -91,9 +93,10 @@ class Llama(nnx.Module):
   not sharded), read it with `nnx.get_partition_spec(nnx.state(model))`. `scan_layers`: hold each run of
   same-route blocks stacked and run it as one loop (`scan.run_layers`) under the checkpoint policy
   `scan_policy` (module docstring; compile time ~ number of distinct runs, not depth); False (default) unrolls
-  them, with the same bits on the CPU; "auto" scans when any block runs a quantized route (whose unrolled steps
-  compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it took 11 s) and unrolls
-  bf16-only models. `block_groups`: the layer ranges that run as one loop (every block alone when unrolled).
+  them, with the same bits on the CPU under jit (module docstring); "auto" scans when any block runs a quantized
+  route (whose unrolled steps compile for minutes: a Llama-1B mxfp4 step did not finish in 290 s, scanned it
+  took 11 s) and unrolls bf16-only models. `block_groups`: the layer ranges that run as one loop (every block
+  alone when unrolled).
   """
 
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
@@ -155,7 +158,7 @@ class Llama(nnx.Module):
     for g, group in enumerate(self.block_groups):
       # The barrier rounds x to its dtype at every group boundary as the scan carry does at every block
       # (XLA's excess precision could otherwise keep it in float32 across an unrolled boundary): scanned
-      # and unrolled runs then give bit-identical numbers.
+      # and unrolled runs then give bit-identical numbers (under jit: module docstring).
       if self.scan_layers:
         x = self._run_stack(self.stacks[g], group, x, positions, key)
       else:
