@@ -121,11 +121,23 @@ def fusable(linears: Sequence[FP4Linear]) -> bool:
   two layers: a 32x32 MXFP4 tile over a 40- and a 24-wide layer gave the smaller one the larger one's scale."""
   if not linears:
     raise ValueError("fused_call needs at least one FP4Linear")
+  return not _unfusable(linears)
+
+
+def _unfusable(linears: Sequence[FP4Linear]) -> list[str]:
+  """What keeps `linears` from `fusable`, for messages: each setting they differ in with every layer's value, the
+  layers with a bias, output sizes that the first layer's route would straddle."""
   first = linears[0]
+  show = lambda value: value.name if isinstance(value, Route) else str(value)
+  out = [f"{name} differs ({' / '.join(show(getattr(m, name)) for m in linears)})"
+         for name in ("in_features", "route", "impl", "dtype", "out_dtype")
+         if any(getattr(m, name) != getattr(first, name) for m in linears)]
+  if any(m.bias is not None for m in linears):
+    out.append(f"linears {[i for i, m in enumerate(linears) if m.bias is not None]} have a bias")
   n_multiple = padding_multiples(first.route)[2]
-  return all((m.in_features, m.route, m.impl, m.dtype, m.out_dtype) ==
-             (first.in_features, first.route, first.impl, first.dtype, first.out_dtype) and m.bias is None
-             and m.out_features % n_multiple == 0 for m in linears)
+  if any(m.out_features % n_multiple for m in linears):
+    out.append(f"output sizes {[m.out_features for m in linears]} are not all multiples of {n_multiple}")
+  return out
 
 
 def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | None = None) -> list[jax.Array]:
@@ -144,8 +156,7 @@ def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | N
   """
   if not fusable(linears):
     raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes, no bias and output "
-                     f"sizes that are multiples of {padding_multiples(linears[0].route)[2]}: "
-                     f"{[(m.in_features, m.out_features, m.route.name, m.bias is not None) for m in linears]}")
+                     f"sizes in whole blocks of the route; here {'; '.join(_unfusable(linears))}")
   if x.shape[-1] != linears[0].in_features:
     raise ValueError(f"input feature size {x.shape[-1]} != {linears[0].in_features=}")
   y = checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]

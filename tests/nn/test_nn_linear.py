@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fp4jax import route as route_lib
+from fp4jax import Impl, route as route_lib
 from fp4jax.dot import fp4_dot
 from fp4jax.nn import FP4Linear, fp4_dot_general
 
@@ -159,6 +159,20 @@ def test_hook_rejects_other_contractions():
   with pytest.raises(NotImplementedError, match="2-D rhs \\[K, N\\], got rhs.shape=\\(2, 8, 16\\)"):
     dot_general(jnp.ones((2, 4, 8)), jnp.ones((2, 8, 16)), (((2,), (1,)), ((0,), (0,))))
   np.testing.assert_array_equal(dot_general(x, w, (((1,), (0,)), ((), ()))), x @ w)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": jnp.float32}, r"here dtype differs \(bfloat16 / float32\); out_dtype differs"),
+    ({"impl": Impl(gemm="emulated")}, r"here impl differs \(Impl\(.*gemm='auto'.* / Impl\(.*gemm='emulated'"),
+    ({"route": "mxfp4"}, r"here route differs \(bf16 / mxfp4\)"),
+    ({"use_bias": True}, r"here linears \[1\] have a bias"),
+])
+def test_fused_call_names_what_differs(kwargs, match):
+  """The message listed each layer's sizes, route and bias only: a dtype or impl mismatch read as no difference."""
+  from fp4jax.nn import linear
+  layers = [FP4Linear(64, 64, rngs=nnx.Rngs(0)), FP4Linear(64, 64, rngs=nnx.Rngs(1), **kwargs)]
+  with pytest.raises(ValueError, match=match):
+    linear.fused_call(layers, jnp.zeros((2, 64), jnp.bfloat16))
 
 
 def test_layers_whose_blocks_would_straddle_are_not_fused():
