@@ -128,7 +128,8 @@ class RulesConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Text sources (paths/globs, or "stdlib"), tokenizer, window shape and the held-out split."""
+  """Text sources (paths/globs, or "stdlib"; a file that several match is read once), tokenizer, window shape and
+  the held-out split."""
   sources: tuple[str, ...] = ("stdlib",)
   tokenizer: str = "byte"  # byte | gpt2 | sentencepiece
   tokenizer_path: str = ""  # gpt2: directory with encoder.json + vocab.bpe; sentencepiece: the .model file

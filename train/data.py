@@ -71,11 +71,13 @@ def _opener(path: str):
 
 
 def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list[str]:
-  """The files of `sources` in order; a source that matches no file, or only empty ones, is a UserError.
+  """The files of `sources` in order, each once: a file that two sources match (overlapping globs, a glob and a
+  file under it, one file by two paths) is read once, where its first source puts it, not trained on twice.
 
-  So is a file in a compression or archive format that read_documents cannot decode, before any tokenizing.
+  A source that matches no file, or only empty ones, is a UserError. So is a file in a compression or archive
+  format that read_documents cannot decode, before any tokenizing.
   """
-  files: list[str] = []
+  files: dict[str, str] = {}  # resolved path -> the path as first matched
   for s in sources:
     if s == "stdlib":
       found = stdlib_files()
@@ -90,8 +92,8 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
       raise UserError(f"{where}: {what} is empty; fill it or remove it from {where}")
     for p in found:
       _opener(p)
-    files.extend(found)
-  return files
+      files.setdefault(os.path.realpath(p), p)
+  return list(files.values())
 
 
 def read_documents(path: str) -> list[str]:

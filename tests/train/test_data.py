@@ -48,6 +48,17 @@ def test_documents_and_sources(tmp_path):
   assert not any("-packages" in p for p in std)
 
 
+def test_a_file_matched_by_two_sources_is_read_once(tmp_path):
+  # Overlapping sources put a file in the stream once per match: its text was trained on twice, silently.
+  files = _corpus(tmp_path)
+  (tmp_path / "sub").mkdir()
+  (tmp_path / "sub" / "link.txt").symlink_to(files[0])  # the same file by another path
+  sources = [str(tmp_path / "*.txt*"), files[0], str(tmp_path / "*"), str(tmp_path / "sub" / "*"),
+             f"{tmp_path}/./c.xz"]
+  assert data.resolve_sources(sources) == files  # first-seen order
+  assert data.resolve_sources(["stdlib", "stdlib"]) == data.stdlib_files()
+
+
 def test_cache_built_once(tmp_path, monkeypatch):
   files = _corpus(tmp_path)
   cache = str(tmp_path / "cache")
