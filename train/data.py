@@ -96,6 +96,24 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
   return list(files.values())
 
 
+def resolve_data(data_cfg) -> tuple[list[str], list[str]]:
+  """(train files, held-out files) of a `DataConfig`, the latter empty without data.eval_sources (the held-out
+  text is then split off the train files). A file of both is a UserError: its text, trained on, is not held out.
+  """
+  files = resolve_sources(data_cfg.sources, "data.sources")
+  if not data_cfg.eval_sources:
+    return files, []
+  heldout = resolve_sources(data_cfg.eval_sources, "data.eval_sources")
+  trained = {os.path.realpath(p) for p in files}
+  both = [p for p in heldout if os.path.realpath(p) in trained]
+  if both:
+    one = len(both) == 1
+    listed = ", ".join(both[:3]) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
+    raise UserError(f"data.eval_sources: {listed} {'is' if one else 'are'} also matched by data.sources, so the "
+                    f"evaluation would not be on held-out text; remove {'it' if one else 'them'} from one of the two")
+  return files, heldout
+
+
 def read_documents(path: str) -> list[str]:
   """A file's documents: WikiExtractor `<doc>` bodies when present, else the whole file as one.
 
@@ -359,12 +377,13 @@ def load_splits(data_cfg, *, log=sys.stderr) -> tuple[np.ndarray, np.ndarray, to
   """(train tokens, held-out tokens, tokenizer) for a `DataConfig`."""
   tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path)
 
-  def cached(sources, where):
-    return build_token_cache(resolve_sources(sources, where), data_cfg.tokenizer, data_cfg.tokenizer_path,
-                             data_cfg.cache_dir, workers=data_cfg.workers, log=log)
+  def cached(files):
+    return build_token_cache(files, data_cfg.tokenizer, data_cfg.tokenizer_path, data_cfg.cache_dir,
+                             workers=data_cfg.workers, log=log)
 
-  tokens = cached(data_cfg.sources, "data.sources")
-  if data_cfg.eval_sources:
-    return tokens, cached(data_cfg.eval_sources, "data.eval_sources"), tok
+  files, heldout_files = resolve_data(data_cfg)
+  tokens = cached(files)
+  if heldout_files:
+    return tokens, cached(heldout_files), tok
   train, heldout = split_heldout(tokens, tok.eos_id, data_cfg.eval_fraction)
   return train, heldout, tok

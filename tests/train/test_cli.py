@@ -87,6 +87,16 @@ def test_data_mistakes(tmp_path, capsys):
   assert "100000, fewer than data.batch_size=8; lower them or add data" in line
 
 
+def test_a_held_out_file_that_is_trained_on_is_refused_before_any_data_work(tmp_path, capsys, no_data_work):
+  # An eval_sources file that data.sources also matched was trained on and evaluated as held-out text, silently.
+  for name in ("a.txt", "b.txt"):
+    (tmp_path / name).write_text("some text\n")
+  line = _error_line(capsys, _args(tmp_path, f"data.sources=[{tmp_path}/*.txt]",
+                                   f"data.eval_sources=[{tmp_path / 'b.txt'}]"))
+  assert (f"data.eval_sources: {tmp_path / 'b.txt'} is also matched by data.sources, so the evaluation would not be "
+          f"on held-out text; remove it from one of the two") in line
+
+
 @pytest.mark.parametrize("routes", ["[]", "[bf16]"])
 def test_a_file_where_checkpoints_go_is_refused_at_once(tmp_path, capsys, routes):
   """A file named ckpt in the run's directory (out_dir/<route>/ckpt in compare mode): one line before any work,

@@ -230,6 +230,11 @@ def test_load_splits_with_eval_file(tmp_path):
   cfg = config.DataConfig(sources=tuple(files[:2]), eval_sources=(files[2],), cache_dir=str(tmp_path / "c"))
   train, held, tok = data.load_splits(cfg, log=None)
   assert tok.name == "byte" and len(train) == 31 and held[-1] == tok.eos_id
+  both = config.DataConfig(sources=(str(tmp_path / "*"),), eval_sources=tuple(files[1:]), cache_dir=cfg.cache_dir)
+  with pytest.raises(UserError, match=re.escape(f"data.eval_sources: {files[1]}, {files[2]} are also matched by "
+                                                f"data.sources, so the evaluation would not be on held-out text; "
+                                                f"remove them from one of the two")):
+    data.load_splits(both, log=None)  # was trained on, then evaluated as held-out text
   assert len(data.eval_windows(np.arange(100), 9, 2, 3)) == 3
   for n in (10, 0):
     with pytest.raises(UserError, match="not one batch"):
