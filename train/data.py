@@ -362,9 +362,27 @@ class WindowIterator:
     self.position = int(state["position"])
 
 
+def heldout_batches(n_tokens: int, seq_len: int, batch_size: int) -> int:
+  """How many batches of `batch_size` sequential [seq_len + 1] windows `n_tokens` held-out tokens hold."""
+  return ((n_tokens - 1) // seq_len) // batch_size
+
+
+def short_heldout(n_tokens: int, data_cfg, n_batches: int) -> str | None:
+  """What to tell the user when `n_tokens` held-out tokens hold fewer than the n_batches (run.eval_batches) asked
+  for: the held-out loss is then over those only (a run's result records how many: eval_batches). None if they
+  hold enough, or none at all (eval_windows' UserError)."""
+  held = heldout_batches(n_tokens, data_cfg.seq_len, data_cfg.batch_size)
+  if not 0 < held < n_batches:
+    return None
+  return (f"run.eval_batches={n_batches}, but the {n_tokens:,} held-out tokens hold {held} batch(es) of "
+          f"data.batch_size={data_cfg.batch_size} x data.seq_len={data_cfg.seq_len}: the held-out loss is over those "
+          f"{held} (the result's eval_batches); for {n_batches}, raise data.eval_fraction or add data.eval_sources")
+
+
 def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list[np.ndarray]:
-  """The first n_batches * batch_size sequential windows of the held-out tokens (fewer if it is short)."""
-  n = min(n_batches, ((len(tokens) - 1) // seq_len) // batch_size)
+  """The first n_batches * batch_size sequential windows of the held-out tokens (fewer if it is short: the
+  caller says so, `heldout_batches`)."""
+  n = min(n_batches, heldout_batches(len(tokens), seq_len, batch_size))
   if n <= 0:
     raise UserError(f"the held-out split has {len(tokens):,} tokens, not one batch of data.batch_size={batch_size} "
                     f"x (data.seq_len={seq_len} + 1); raise data.eval_fraction, add data.eval_sources or lower "

@@ -623,7 +623,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
     eval_loss = evaluate(ts, eval_batches)
   peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat)
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(rec.tail)) if rec.tail else None,
-         "eval_loss": eval_loss, "tokens_per_s": rec.rate or None,
+         "eval_loss": eval_loss, "eval_batches": len(eval_batches), "tokens_per_s": rec.rate or None,
          "first_step_s": rec.first_step_s, "compile_s": rec.compile_s, "peak_bytes": peak,
          "peak_kind": peak_kind, "status": "ok"}
   if lead:
@@ -707,6 +707,9 @@ def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
   train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
+  short = data.short_heldout(len(eval_tokens), cfg.data, cfg.run.eval_batches)
+  if short:
+    log.write(f"[train] warning: {short}\n")
   rows = []
   for name, sub in route_configs(cfg):
     try:

@@ -239,6 +239,9 @@ def test_load_splits_with_eval_file(tmp_path):
   for n in (10, 0):
     with pytest.raises(UserError, match="not one batch"):
       data.eval_windows(np.arange(n), 9, 2, 3)
+  shape = config.DataConfig(seq_len=9, batch_size=2)
+  assert data.short_heldout(100, shape, 6).startswith("run.eval_batches=6, but the 100 held-out tokens hold 5 ")
+  assert data.short_heldout(100, shape, 5) is None and data.short_heldout(10, shape, 6) is None  # enough; none
 
 
 def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):

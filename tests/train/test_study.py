@@ -56,6 +56,7 @@ def test_one_run_trains_and_is_recorded(tmp_path):
   assert r["steps"] == 3 and r["tokens"] == 768  # ceil(668 / 256) steps of 8 x 32 tokens
   assert r["curve"]["step"] == [1, 3] and r["final_logged"] == 3  # 3 logged, subsampled to 2: first and last
   assert r["train_loss"] > 0 and r["eval_loss"] > 0 and r["tokens_per_s"] > 0 and r["device"] and r["commit"]
+  assert r["eval_batches"] == 2  # the held-out batches the eval_loss is over (fewer than run.eval_batches if short)
   assert r["config"]["run"]["out_dir"] == str(tmp_path / "scratch" / "bf16-seed1")
   assert os.path.isdir(tmp_path / "scratch" / "bf16-seed1" / "ckpt")
   assert "| bf16 | bf16 | none | 1 | 768 |" in (results / study_report.TABLE).read_text()

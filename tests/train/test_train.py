@@ -292,6 +292,20 @@ def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, mon
   assert open(os.path.join(out, "table.md")).read() == table
 
 
+def test_fewer_held_out_batches_than_asked_are_said_and_recorded(tmp_path, capsys):
+  """run.eval_batches beyond what the held-out text holds was cut to that silently (the study configs ask for 16
+  of a split that holds 6): the run says so before compiling, and its result records the number it used."""
+  cfg = _corpus_cfg(tmp_path, "run.steps=1", "run.eval_batches=50")
+  (row,) = train.run_all(cfg)
+  err = capsys.readouterr().err
+  assert ("[train] warning: run.eval_batches=50, but the 2,311 held-out tokens hold 9 batch(es) of data.batch_size=8 "
+          "x data.seq_len=32: the held-out loss is over those 9 (the result's eval_batches); for 50, raise "
+          "data.eval_fraction or add data.eval_sources") in err
+  assert err.index("warning") < err.index("train step compiled")
+  assert row["eval_batches"] == 9
+  assert json.load(open(os.path.join(cfg.run.out_dir, train.RESULT_FILE)))["eval_batches"] == 9
+
+
 def test_step_memory_is_the_compiled_steps_plan():
   """XLA's plan of the step (arguments + outputs + temporaries - donated), whatever ran before in the process;
   the process's peak (named so) where no step was compiled."""
