@@ -1,9 +1,10 @@
 """Text corpus -> cached token file -> deterministic, resumable [batch, seq_len + 1] windows.
 
-Sources are files or globs (plain text, .gz, .xz, .bz2) or "stdlib" (the running Python's standard library .py files, a
-zero-setup corpus). Each source file is split into documents (WikiExtractor `<doc ...>` blocks when present,
-else the whole file), tokenized once by a process pool and stored as a flat uint16/uint32 file with eos after
-every document, keyed by a hash of (tokenizer, file list, sizes, mtimes). Later runs memory-map it.
+Sources are files or globs (UTF-8 text: plain, .gz, .xz, .bz2) or "stdlib" (the running Python's standard
+library .py files, a zero-setup corpus). Each source file is split into documents (WikiExtractor `<doc ...>`
+blocks when present, else the whole file), tokenized once by a process pool and stored as a flat uint16/uint32
+file with eos after every document, keyed by a hash of (tokenizer, file list, sizes, mtimes). Later runs
+memory-map it.
 
 The training iterator's whole state is one integer (`position`, batches consumed): batch p holds global
 windows p*B .. p*B+B-1 of a per-epoch permutation drawn from (seed, epoch), so resuming needs no replay.
@@ -12,6 +13,7 @@ windows p*B .. p*B+B-1 of a per-epoch permutation drawn from (seed, epoch), so r
 from __future__ import annotations
 
 import bz2
+import codecs
 import contextlib
 import glob
 import gzip
@@ -42,6 +44,7 @@ _UNSUPPORTED = frozenset((".zst", ".zstd", ".tzst", ".lz4", ".lz", ".lzo", ".sz"
                           ".7z", ".rar", ".tar", ".tgz", ".tbz", ".tbz2", ".txz"))
 # What a damaged compressed source raises while it is read (gzip.BadGzipFile is an OSError).
 _READ_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
+_HEAD_BYTES = 1 << 12  # how much of each source file (decompressed) is checked to be text, before tokenizing
 _DOC_OPEN = re.compile(r"^<doc [^>]*>\s*$", re.M)
 _DOC_CLOSE = re.compile(r"^</doc>\s*$", re.M)
 
@@ -75,7 +78,8 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
   file under it, one file by two paths) is read once, where its first source puts it, not trained on twice.
 
   A source that matches no file, or only empty ones, is a UserError. So is a file in a compression or archive
-  format that read_documents cannot decode, before any tokenizing.
+  format that read_documents cannot decode, or one whose start is not UTF-8 text (`_check_text`), before any
+  tokenizing. The "stdlib" corpus is taken as it is: a few of its test modules are in other encodings on purpose.
   """
   files: dict[str, str] = {}  # resolved path -> the path as first matched
   for s in sources:
@@ -92,8 +96,42 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
       raise UserError(f"{where}: {what} is empty; fill it or remove it from {where}")
     for p in found:
       _opener(p)
-      files.setdefault(os.path.realpath(p), p)
+      if os.path.realpath(p) not in files:
+        if s != "stdlib":
+          _check_text(p)
+        files[os.path.realpath(p)] = p
   return list(files.values())
+
+
+def _check_text(path: str) -> None:
+  """A UserError unless the first _HEAD_BYTES of `path`, decompressed, are UTF-8 text without NUL bytes.
+
+  read_documents replaces what does not decode, so a binary file given as a source (token ids saved as uint16, a
+  .npy array, a model file) was trained on as garbage text. Its first bytes show it: token ids hold NUL bytes (an
+  id below 256) or byte sequences that are not UTF-8 within a few ids. Reading only the head keeps the check
+  cheap; the whole file is read once, when tokenized.
+  """
+  try:
+    with _opener(path)(path, "rb") as f:
+      head = f.read(_HEAD_BYTES)
+  except _READ_ERRORS as e:
+    raise _read_error(path, e) from e
+  nul = head.find(b"\0")
+  try:  # a character cut by the end of the head is no error, unless the file ends there
+    codecs.getincrementaldecoder("utf-8")().decode(head[:nul] if nul >= 0 else head, final=len(head) < _HEAD_BYTES)
+  except UnicodeDecodeError as e:
+    nul = e.start
+  if nul >= 0:
+    raise UserError(f"data source {path} is not UTF-8 text (byte {nul}: {head[nul:nul + 1]!r}), a binary file? "
+                    f"Sources are text, tokenized by data.tokenizer (files of token ids are not read): give the text "
+                    f"it was made from, or convert it to UTF-8")
+
+
+def _read_error(path: str, e: BaseException) -> UserError:
+  """The one-line error for a source file that cannot be read or decompressed, naming it: the decompressors' own
+  errors (EOFError, LZMAError, ...) do not say which of many source files is damaged."""
+  return UserError(f"cannot read data source {path} ({type(e).__name__}: {' '.join(str(e).splitlines())}); "
+                   f"replace it (a damaged or truncated file?) or remove it from the sources")
 
 
 def resolve_data(data_cfg) -> tuple[list[str], list[str]]:
@@ -117,16 +155,15 @@ def resolve_data(data_cfg) -> tuple[list[str], list[str]]:
 def read_documents(path: str) -> list[str]:
   """A file's documents: WikiExtractor `<doc>` bodies when present, else the whole file as one.
 
-  A file that cannot be read or decompressed (truncated download, corrupt data) is a UserError naming it: the
-  decompressors' own errors (EOFError, LZMAError, ...) do not say which of many source files is damaged.
+  A file that cannot be read or decompressed (truncated download, corrupt data) is a UserError naming it
+  (`_read_error`).
   """
   opener = _opener(path)
   try:
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
       text = f.read()
   except _READ_ERRORS as e:
-    raise UserError(f"cannot read data source {path} ({type(e).__name__}: {' '.join(str(e).splitlines())}); "
-                    f"replace it (a damaged or truncated file?) or remove it from the sources") from e
+    raise _read_error(path, e) from e
   if not _DOC_OPEN.search(text):
     return [text] if text else []
   docs = []

@@ -97,6 +97,14 @@ def test_a_held_out_file_that_is_trained_on_is_refused_before_any_data_work(tmp_
           f"on held-out text; remove it from one of the two") in line
 
 
+def test_a_binary_source_is_refused_before_any_data_work(tmp_path, capsys, no_data_work):
+  # Token ids given as a text source were decoded with replacement characters and trained on.
+  ids = tmp_path / "train.bin"
+  ids.write_bytes(bytes(range(256)) * 4)
+  line = _error_line(capsys, _args(tmp_path, f"data.sources=[{ids}]"))
+  assert f"data source {ids} is not UTF-8 text (byte 0: b'\\x00'), a binary file? Sources are text" in line
+
+
 @pytest.mark.parametrize("routes", ["[]", "[bf16]"])
 def test_a_file_where_checkpoints_go_is_refused_at_once(tmp_path, capsys, routes):
   """A file named ckpt in the run's directory (out_dir/<route>/ckpt in compare mode): one line before any work,

@@ -129,6 +129,32 @@ def test_damaged_source_names_the_file(tmp_path, name):
   assert "\n" not in str(e.value)
 
 
+def test_a_source_that_is_not_utf8_text_is_refused_before_tokenizing(tmp_path):
+  # A binary file given as a text source (token ids, an array) was decoded with replacement characters and
+  # trained on as text, with exit status 0.
+  ids = np.array([464, 3290, 318, 257, 1332] * 1000, np.uint16)  # GPT-2 ids as nanoGPT saves them
+  ids.tofile(tmp_path / "train.bin")
+  with gzip.open(tmp_path / "ids.gz", "wb") as f:
+    f.write(ids.tobytes())
+  text = _corpus(tmp_path)
+  cache = data.build_token_cache(text, "byte", "", str(tmp_path / "cache"), log=None)  # this repo's own ids
+  (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 10)
+  (tmp_path / "cut.txt").write_bytes("caf\u00e9".encode()[:-1])  # ends inside a character
+  for path, byte in [(tmp_path / "train.bin", r"byte 0: b'\\xd0'"), (tmp_path / "ids.gz", r"byte 0: b'\\xd0'"),
+                     (cache.filename, r"byte 1: b'\\x00'"), (tmp_path / "latin1.txt", r"byte 3: b'\\xe9'"),
+                     (tmp_path / "cut.txt", r"byte 3: b'\\xc3'")]:
+    with pytest.raises(UserError, match=rf"data source {path} is not UTF-8 text \({byte}\), a binary file\? Sources "
+                                        r"are text, tokenized by data.tokenizer \(files of token ids are not read\)"):
+      data.resolve_sources([*text, str(path)])
+  # Only the start of a file is read, and a character that straddles its end is no error.
+  (tmp_path / "long.txt").write_text("x" * (data._HEAD_BYTES - 1) + "\u00e9" + "\0")
+  assert data.resolve_sources([str(tmp_path / "long.txt")]) == [str(tmp_path / "long.txt")]
+  # The standard library corpus is taken as it is (a few test modules are Latin-1 or KOI8-R on purpose).
+  assert data.resolve_sources(["stdlib"]) == data.stdlib_files()
+  with pytest.raises(UserError, match=r"cannot read data source .*bad.gz \(BadGzipFile"):  # found early too
+    data.resolve_sources([_damaged(tmp_path, "bad.gz")])
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_damaged_source_in_token_cache(tmp_path, workers):
   # With worker processes the error must reach the parent as the same UserError, and no partial file is left.
