@@ -3,8 +3,8 @@
 Jit style: functional NNX. `nnx.split((model, optimizer))` gives a static graphdef and one `nnx.State`
 pytree; `train_step(state, batch, step)` merges them inside `jax.jit`, takes the gradient with
 `nnx.value_and_grad` (in `data.microbatches` sequential passes: `loss_and_grads`), applies `optimizer.update`
-and returns the new state. The input state is donated
-(`donate_argnums=0`), so parameters and Adam moments are updated in place. The state is created directly
+and returns the new state; the eval step runs its batch in the same passes (`eval_loss`). The input state is
+donated (`donate_argnums=0`), so parameters and Adam moments are updated in place. The state is created directly
 with its shardings (`jax.jit(init, out_shardings=...)`), from the `nnx.with_partitioning` metadata the
 model puts on its params (mesh axes ("data", "fsdp")); batches are sharded over both axes.
 
@@ -226,14 +226,10 @@ def cross_entropy(model, batch: jax.Array, key: jax.Array) -> jax.Array:
 
 def loss_and_grads(model, batch: jax.Array, key: jax.Array, microbatches: int = 1):
   """(mean cross-entropy, its gradient w.r.t. the model's Params) of batch [B, T+1], in `microbatches`
-  sequential passes of B / microbatches sequences each (`data.microbatches`).
+  sequential passes of B / microbatches sequences each (`data.microbatches`, `microbatch_mean`).
 
-  One pass is `nnx.value_and_grad(cross_entropy)` itself. With more, a `lax.scan` runs the passes one after the
-  other, so only one microbatch's activations are alive at a time, and sums their losses and float32
-  gradients, then divides by their count: the whole batch's mean, up to the order of the float32 sums.
-  Microbatch i holds rows i, i + microbatches, i + 2 microbatches, ... of the batch, so each device's rows of
-  a batch sharded over the mesh are its rows of every microbatch (no data moves), and draws its random bits
-  (SR, random Hadamard signs) with fold_in(key, i).
+  One pass is `nnx.value_and_grad(cross_entropy)` itself. With more, each pass takes the gradient of its
+  microbatch's loss; their losses and float32 gradients are averaged.
   """
   if microbatches == 1:
     return nnx.value_and_grad(cross_entropy)(model, batch, key)
@@ -242,15 +238,37 @@ def loss_and_grads(model, batch: jax.Array, key: jax.Array, microbatches: int = 
   def loss(p, mb, k):
     return cross_entropy(nnx.merge(graphdef, p, rest), mb, k)
 
+  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  return microbatch_mean(lambda mb, k: jax.value_and_grad(loss)(params, mb, k), batch, key, microbatches, zero)
+
+
+def eval_loss(model, batch: jax.Array, key: jax.Array, microbatches: int = 1) -> jax.Array:
+  """Mean cross-entropy of batch [B, T+1] in the train step's `microbatches` sequential forward passes
+  (`microbatch_mean`), so that an eval batch fits wherever the train step's batch does."""
+  if microbatches == 1:
+    return cross_entropy(model, batch, key)
+  graphdef, state = nnx.split(model)
+  return microbatch_mean(lambda mb, k: cross_entropy(nnx.merge(graphdef, state), mb, k), batch, key, microbatches,
+                         jnp.zeros((), jnp.float32))
+
+
+def microbatch_mean(fn: Callable[[jax.Array, jax.Array], Any], batch: jax.Array, key: jax.Array, microbatches: int,
+                    zero: Any) -> Any:
+  """The mean of fn(microbatch, its key) (a pytree shaped like `zero`) over `microbatches` microbatches of batch
+  [B, T+1]: a `lax.scan` runs the passes one after the other, so only one microbatch's activations are alive at
+  a time, and sums their outputs, then divides by their count. With a batch mean per microbatch (all of the same
+  size) that is the whole batch's mean, up to the order of the float32 sums.
+  Microbatch i holds rows i, i + microbatches, i + 2 microbatches, ... of the batch, so each device's rows of
+  a batch sharded over the mesh are its rows of every microbatch (no data moves), and draws its random bits
+  (SR, random Hadamard signs) with fold_in(key, i).
+  """
   b = batch.shape[0]
   passes = batch.reshape(b // microbatches, microbatches, -1).swapaxes(0, 1)  # [microbatches, B/m, T+1]
 
   def one_pass(total, xs):
     mb, i = xs
-    value, grads = jax.value_and_grad(loss)(params, mb, jax.random.fold_in(key, i))
-    return jax.tree.map(jnp.add, total, (value, grads)), None
+    return jax.tree.map(jnp.add, total, fn(mb, jax.random.fold_in(key, i))), None
 
-  zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
   total, _ = jax.lax.scan(one_pass, zero, (passes, jnp.arange(microbatches, dtype=jnp.int32)))
   return jax.tree.map(lambda t: t / microbatches, total)
 
@@ -355,7 +373,7 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   @jax.jit
   def keyed_eval_step(state, batch, eval_key):
     model, _ = nnx.merge(graphdef, state)
-    return cross_entropy(model, batch, eval_key)
+    return eval_loss(model, batch, eval_key, cfg.data.microbatches)
 
   threads = None if cfg.run.kernels_first else 0
   kernels = platform.kernel_cache_dir(platform.cache_dir(cfg.run.compile_cache))
@@ -399,15 +417,18 @@ def to_global(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
 
-def step_memory(compiled, devices) -> tuple[int | None, str]:
+def step_memory(compiled, devices, *more) -> tuple[int | None, str]:
   """(bytes, kind) of a route's memory for its table row: XLA's plan of its compiled train step
-  (`metrics.planned_bytes`), the route's own whatever ran before it in the process; else (no step compiled
-  in this call: a resumed finished run) the process's peak so far, the max device peak_bytes_in_use where the
-  backend reports it, else the max RSS, which holds every earlier route of the process too (JAX resets neither:
-  it made a compare run's later routes look as large as the largest before them)."""
+  (`metrics.planned_bytes`), or the largest plan of it and the `more` compiled steps (the eval step, which runs
+  on the same devices between train steps), the route's own whatever ran before it in the process; else (no
+  train step compiled in this call: a resumed finished run) the process's peak so far, the max device
+  peak_bytes_in_use where the backend reports it, else the max RSS, which holds every earlier route of the
+  process too (JAX resets neither: it made a compare run's later routes look as large as the largest before
+  them)."""
   planned = None if compiled is None else metrics.planned_bytes(compiled)
   if planned is not None:
-    return planned, "step plan"
+    plans = [metrics.planned_bytes(c) for c in more if c is not None]
+    return max([planned] + [p for p in plans if p is not None]), "step plan"
   peaks = [s.get("peak_bytes_in_use") for d in devices if (s := d.memory_stats())]
   peaks = [p for p in peaks if p is not None]
   if peaks:
@@ -621,7 +642,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
       log.close()
   if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
     eval_loss = evaluate(ts, eval_batches)
-  peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat)
+  peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat,
+                                getattr(ts.eval_step, "compiled", None))
   row = {"route": label, "steps": r.steps, "train_loss": float(np.mean(rec.tail)) if rec.tail else None,
          "eval_loss": eval_loss, "eval_batches": len(eval_batches), "tokens_per_s": rec.rate or None,
          "first_step_s": rec.first_step_s, "compile_s": rec.compile_s, "peak_bytes": peak,
