@@ -12,6 +12,8 @@ from typing import Any, Sequence, TextIO
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from train.errors import UserError
+
 
 def _fmt_duration(s: float) -> str:
   s = int(max(s, 0))
@@ -110,6 +112,31 @@ def set_aside(out_dir: str, *, log: TextIO) -> str | None:
   log.write(f"[train] {out_dir} held outputs of an earlier run without a checkpoint to resume: moved "
             f"{', '.join(found)} to {aside}\n")
   return aside
+
+
+# What `train.run_all` writes into run.out_dir itself once its routes are done: their table, and the loss plot (in
+# compare mode, run.routes, every route's curve: each route's run is in out_dir/<route>/).
+CALL_OUTPUTS = ("loss.png", "table.md", "summary.json")
+# What only a single route's run writes into out_dir: config.yaml first, before any other output.
+ROUTE_RUN_MARKS = ("config.yaml", "result.json", "metrics.jsonl", "tb", "ckpt")
+
+
+def check_layout(out_dir: str, *, compare: bool, route: str) -> None:
+  """Fails with a UserError, before any work, when out_dir holds a run of the other layout, whose loss.png and
+  table the call would overwrite: in compare mode, a single route's run (`ROUTE_RUN_MARKS`); in single-route
+  mode, a compare run's `CALL_OUTPUTS` beside no such run."""
+  def present(names):
+    return [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+
+  marks, outputs = present(ROUTE_RUN_MARKS), present(CALL_OUTPUTS)
+  base = os.path.normpath(out_dir)
+  if compare and marks:
+    raise UserError(f"run.out_dir={out_dir!r} holds a single-route run ({', '.join(sorted(marks + outputs))}); a "
+                    f"compare run (run.routes) would write its own {', '.join(CALL_OUTPUTS)} there: use another "
+                    f"run.out_dir, e.g. {base}-compare")
+  if not compare and outputs and not marks:
+    raise UserError(f"run.out_dir={out_dir!r} holds the {', '.join(outputs)} of a compare run (run.routes), "
+                    f"which a single route's run would overwrite: use another run.out_dir, e.g. {base}-{route}")
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -710,7 +710,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   route, and the caller decides the exit status from the rows. A route already finished in its out_dir with the
   same settings is not trained again: its saved result.json row is reported. The config is checked in full first,
   then out_dir, and in compare mode each route's out_dir/<route> (which a single-route run may name), is locked
-  for the whole call (`train.lock.RunLock`).
+  for the whole call (`train.lock.RunLock`). An out_dir that holds a run of the other layout (single-route or
+  compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`).
   """
   log = sys.stderr if log is None else log
   preflight(cfg)
@@ -718,7 +719,9 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
     if jax.process_index() == 0:
       for out_dir in dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in route_configs(cfg)]):
         held.enter_context(lock.RunLock(out_dir, log=log))
-    for _, sub in route_configs(cfg):  # under the lock: what a running job writes there is not yet final
+    # under the lock: what a running job writes there is not yet final
+    metrics.check_layout(cfg.run.out_dir, compare=bool(cfg.run.routes), route=cfg.route)
+    for _, sub in route_configs(cfg):
       check_out_dir(sub)
     return _run_routes(cfg, log)
 

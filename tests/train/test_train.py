@@ -290,6 +290,30 @@ def test_compare_mode_writes_table_and_plot_and_a_rerun_keeps_them(tmp_path, mon
   with pytest.raises(UserError, match=r"bf16 holds a run checkpointed at step 3, past run.steps=2"):
     train.run_all(config.replace(cfg, run={"steps": 2, "routes": ("bf16", "nvfp4")}))
   assert open(os.path.join(out, "table.md")).read() == table
+  # A single route's run there would overwrite the compare's plot and table with its own: refused too.
+  plot = open(os.path.join(out, "loss.png"), "rb").read()
+  with pytest.raises(UserError, match=r"holds the loss.png, table.md, summary.json of a compare run \(run.routes\), "
+                     r"which a single route's run would overwrite: use another run.out_dir, e.g. .*/run-bf16$"):
+    train.run_all(config.replace(cfg, run={"routes": ()}))
+  assert open(os.path.join(out, "table.md")).read() == table
+  assert open(os.path.join(out, "loss.png"), "rb").read() == plot
+  assert not os.path.exists(os.path.join(out, "config.yaml"))
+
+
+def test_a_compare_run_keeps_a_single_route_runs_outputs(tmp_path, monkeypatch):
+  """A compare run (run.routes) into the out_dir of a single route's run wrote its own loss.png, table.md and
+  summary.json over that run's: it is refused before any work, in one line naming them, and nothing changes."""
+  cfg = _corpus_cfg(tmp_path, "run.steps=3")  # the compare test's bf16 run: the same compiled steps
+  train.run_all(cfg)
+  out = cfg.run.out_dir
+  before = {name: open(os.path.join(out, name), "rb").read() for name in ("loss.png", "table.md", "summary.json")}
+  monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("the compare run started its work"))
+  with pytest.raises(UserError, match=r"run.out_dir='.*/run' holds a single-route run \(ckpt, config.yaml, loss.png, "
+                     r"metrics.jsonl, result.json, summary.json, table.md, tb\); a compare run \(run.routes\) "
+                     r"would write its own loss.png, table.md, summary.json there: use another run.out_dir, "
+                     r"e.g. .*/run-compare$"):
+    train.run_all(config.replace(cfg, run={"routes": ("bf16", "mxfp4")}))
+  assert {name: open(os.path.join(out, name), "rb").read() for name in before} == before
 
 
 def test_fewer_held_out_batches_than_asked_are_said_and_recorded(tmp_path, capsys):
