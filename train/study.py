@@ -15,7 +15,8 @@ A study config is a training config (every section as for `python -m train`) plu
     baseline: bf16                   # the entry the gaps are measured against (default bf16)
     final_logged: 10                 # final train loss = mean of the last this many logged train losses
     curve_points: 200                # a record's loss curve keeps at most this many (step, loss) points
-                                     # (both applied when a run is recorded, not by --report)
+                                     # (both applied when a run is recorded; a report averages a record of
+                                     # another final_logged again from its curve, or stops if that was cut)
 
 Each run is one `train.train.run_all` call on the config with `route` set to the entry's route, the entry's
 `rules` keys replacing the config's (`rules: {bf16_last: 2}` keeps the config's bf16_first), run.seed = the
@@ -238,10 +239,12 @@ def record_changes(run: Run, rec: dict[str, Any]) -> list[str]:
 def study_records(study: Study) -> tuple[list[dict[str, Any]], list[str]]:
   """(the records of this study's runs, note lines for the report). A record made with other settings than its
   run's, or filed under another run's name, is a UserError: averaging it in would mix token budgets, learning
-  rates or models without a trace. Records of runs this config does not have (another seed count, an entry
-  since removed) are left out and named in a note, as are the runs with no record yet."""
+  rates or models without a trace. A final train loss averaged over another window than study.final_logged is
+  averaged again from the record's curve (`study_report.same_window`, a UserError where it cannot be) and named in
+  a note. Records of runs this config does not have (another seed count, an entry since removed) are left out and
+  named in a note, as are the runs with no record yet."""
   by_key = {r.key: r for r in study.runs}
-  kept, stray = [], []
+  kept, stray, again = [], [], []
   for path, rec in study_report.read_record_files(study.settings.results):
     key = f"{rec['name']}-seed{rec['seed']}"
     if os.path.basename(path) != f"{key}.json":
@@ -254,8 +257,15 @@ def study_records(study: Study) -> tuple[list[dict[str, Any]], list[str]]:
     if changes:
       raise UserError(f"{path} was recorded with other settings than this study's ({'; '.join(changes[:4])}): use "
                       f"another study.results for the new settings, or delete the record to train that run again")
-    kept.append(rec)
+    cfg = by_key[key].cfg.run  # the record's steps and log_every: record_changes compared them
+    redone = study_report.same_window(path, rec, study.settings.final_logged,
+                                      rec.get("logged", study_report.logged_count(cfg.steps, cfg.log_every)))
+    again += [key] if redone else []
+    kept.append(redone or rec)
   notes = [f"Left out: {len(stray)} record(s) of runs this config does not have: {stray}."] if stray else []
+  if again:
+    notes.append(f"Final train loss averaged again from the curves of {len(again)} record(s) averaged over another "
+                 f"window, over the last {study.settings.final_logged} logged losses (study.final_logged): {again}.")
   done = {f"{r['name']}-seed{r['seed']}" for r in kept}
   pending = [r.key for r in study.runs if r.key not in done]
   if pending:
@@ -299,7 +309,7 @@ def record(study: Study, run: Run, row: dict[str, Any], status: str, device: str
   return {
       "name": run.name, "route": cfg.route, "rules": config_lib.to_dict(cfg.rules), "seed": run.seed,
       "status": status, "steps": cfg.run.steps, "tokens": cfg.run.steps * per_step, "tokens_per_step": per_step,
-      "train_loss": sum(tail) / len(tail) if tail else None, "final_logged": len(tail),
+      "train_loss": sum(tail) / len(tail) if tail else None, "final_logged": len(tail), "logged": len(train_pts),
       "log_every": cfg.run.log_every, "eval_loss": row.get("eval_loss"), "eval_batches": row.get("eval_batches"),
       "tokens_per_s": row.get("tokens_per_s"),
       "compile_s": row.get("compile_s"), "first_step_s": row.get("first_step_s"),

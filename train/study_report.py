@@ -4,7 +4,8 @@ Reads every <results>/runs/*.json record and writes, beside them, table.md, repo
 unrounded), curves.png and gap.png. Statistics, per entry, over its runs whose status is "ok" (n of them):
 
 - final train loss: each run's mean of its last `final_logged` logged train losses (each logged loss is itself the
-  mean over `run.log_every` steps); held-out loss: the loss on the held-out windows after the last step.
+  mean over `run.log_every` steps), the same window for every run (`same_window`); held-out loss: the loss on the
+  held-out windows after the last step.
 - mean: the arithmetic mean over the n runs; spread: the sample standard deviation (n - 1 in the denominator),
   undefined (n/a) for n = 1. Tables show `mean ± spread`.
 - gap vs the baseline (bf16) in held-out loss: delta = mean_route - mean_bf16 (loss units, as Quartet II reports
@@ -90,6 +91,29 @@ def read_record_files(results: str) -> list[tuple[str, dict[str, Any]]]:
                       f"train that run again")
     out.append((path, rec))
   return out
+
+
+def logged_count(steps: int, log_every: int) -> int:
+  """How many train losses a run of `steps` steps logs: one every `log_every` steps and one at the last
+  (`train.train`)."""
+  return steps // log_every + (steps % log_every != 0)
+
+
+def same_window(path: str, rec: dict[str, Any], window: int, logged: int) -> dict[str, Any] | None:
+  """`rec` with its final train loss the mean of its last `window` (study.final_logged) of `logged` logged train
+  losses, so that a report averages every run over one window: None when it already is; a copy averaged again
+  from its curve when that holds every logged loss; a UserError when the curve was subsampled (study.curve_points)
+  and that window cannot be recovered."""
+  want, have = min(window, logged), rec.get("final_logged")
+  if rec["status"] != "ok" or have == want:  # a diverged run's train loss is in no statistic
+    return None
+  losses = rec["curve"]["loss"]
+  if len(losses) != logged:
+    raise UserError(f"{path} averages its final train loss over its last {have} logged losses, not the {want} of "
+                    f"study.final_logged={window}, and its curve keeps {len(losses)} of its {logged} (cut to study."
+                    f"curve_points), too few to average again: set study.final_logged={have}, or use another "
+                    f"study.results for the new window")
+  return {**rec, "train_loss": sum(losses[-want:]) / want, "final_logged": want}  # as `train.study.record` does
 
 
 def read_records(results: str) -> list[dict[str, Any]]:

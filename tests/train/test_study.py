@@ -210,6 +210,35 @@ def test_records_are_checked_against_the_study(tmp_path, monkeypatch, capsys):
   assert "--only selects runs to train: give one of them" in capsys.readouterr().err
 
 
+def test_report_averages_every_record_over_one_window(tmp_path, monkeypatch, capsys):
+  """Records made under another study.final_logged are averaged again from their curves (which keep every logged
+  loss here) and named in a note, or stop the call (one line, exit 2) where the curve was cut to fewer points
+  than were logged: a report never mixes windows."""
+  path = _study_file(tmp_path, curve_points=3)
+  results = tmp_path / "results"
+  monkeypatch.setattr(train, "run_all", _fake_run_all([]))
+  assert study.main(["--config", path, "--only", "bf16:0"]) == 0  # window 10: all 3 logged losses
+  assert study.main(["--config", path, "--only", "bf16:1", "--set", "study.final_logged=1"]) == 0
+  recs = _records(results)
+  curves = [recs[f"bf16-seed{s}"]["curve"]["loss"] for s in (0, 1)]
+  assert [recs[f"bf16-seed{s}"]["final_logged"] for s in (0, 1)] == [3, 1] and all(len(c) == 3 for c in curves)
+  last = [c[-1] for c in curves]
+  table = (results / study_report.TABLE).read_text()
+  assert f"| bf16 | bf16 | none | 2 | 768 | {statistics.mean(last):.4f} ± {statistics.stdev(last):.4f} |" in table
+  assert ("Final train loss averaged again from the curves of 1 record(s) averaged over another window, over the "
+          "last 1 logged losses (study.final_logged): ['bf16-seed0'].") in table
+  assert study.main(["--config", path, "--report"]) == 0
+  whole = [statistics.mean(c) for c in curves]
+  assert f"| 768 | {statistics.mean(whole):.4f} ± {statistics.stdev(whole):.4f} |" in capsys.readouterr().out
+
+  assert study.main(["--config", path, "--only", "mxfp4_last1:0", "--set", "study.curve_points=2"]) == 0
+  capsys.readouterr()
+  assert study.main(["--config", path, "--report", "--set", "study.final_logged=1"]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and ("mxfp4_last1-seed0.json averages its final train loss over its last 3 logged "
+                                   "losses, not the 1 of study.final_logged=1, and its curve keeps 2 of its 3") in err
+
+
 def test_a_finished_run_without_its_log_is_not_recorded_as_ok(tmp_path, monkeypatch):
   path = _study_file(tmp_path)
   monkeypatch.setattr(train, "run_all", lambda cfg, log=None: [{"route": cfg.route, "eval_loss": 4.0}])
