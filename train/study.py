@@ -124,6 +124,8 @@ def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Study
   missing = [k for k in ("routes", "tokens", "results") if k not in section]
   if missing:
     raise ConfigError(f"study.{missing[0]} is missing; a study needs routes, tokens and results")
+  entries = _entries(section["routes"])
+  _check_entry_overrides(overrides, entries)
   run_raw = raw.get("run") if isinstance(raw.get("run"), dict) else {}
   for key, why in (("steps", "study.tokens sets it (--set study.tokens=... to change the budget)"),
                    ("routes", "list the routes in study.routes")):
@@ -131,7 +133,6 @@ def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Study
       raise ConfigError(f"run.{key} cannot be set in a study config: {why}")
   base = config_lib.from_dict(raw)  # the shared settings, checked once before the per-entry ones
   settings = config_lib.build(Settings, {k: v for k, v in section.items() if k not in ("routes", "seeds")}, "study")
-  entries = _entries(section["routes"])
   names = [e.name for e in entries]
   if settings.baseline not in names:
     raise ConfigError(f"study.baseline={settings.baseline!r} is not an entry of study.routes {names}")
@@ -177,6 +178,22 @@ def _entries(value: Any) -> list[Entry]:
       raise ConfigError(f"{where}: name {entry.name!r} is used twice; give each entry its own name")
     entries.append(entry)
   return entries
+
+
+def _check_entry_overrides(overrides: list[str] | tuple[str, ...], entries: list[Entry]) -> None:
+  """A --set of what each entry sets over the config (its route, the rules keys it names) would not be read: a
+  ConfigError naming the entries that set it."""
+  for o in overrides:
+    tree = config_lib.with_overrides({}, [o])
+    if "route" in tree:
+      raise ConfigError(f"--set {o}: a study does not read route, its routes come from the study's entries "
+                        f"(study.routes); change those, e.g. --set 'study.routes=[bf16, nvfp4]'")
+    rules = tree.get("rules")
+    for key in sorted(rules) if isinstance(rules, dict) else ():
+      setters = [e.name for e in entries if key in e.rules]
+      if setters:
+        raise ConfigError(f"--set {o}: rules.{key} is set by the study's entries {setters}, whose own "
+                          f"rules.{key} replaces it; change it in their study.routes entries")
 
 
 def _seed_counts(value: Any, names: list[str]) -> dict[str, int]:

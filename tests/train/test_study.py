@@ -287,6 +287,9 @@ def test_subsample_keeps_the_ends():
     ("run.steps=10", r"run.steps cannot be set in a study config: study.tokens sets it"),
     ("run.routes=[bf16]", r"run.routes cannot be set in a study config"),
     ("optim.lr=-1", r"optim.lr=-1.0 must be a finite number > 0"),
+    ("route=nvfp4", r"--set route=nvfp4: a study does not read route, its routes come from the study's entries"),
+    ("rules.bf16_last=0", r"rules.bf16_last is set by the study's entries \['mxfp4_last1'\], whose own rules.bf16"),
+    ("rules={bf16_first: 1, bf16_last: 1}", r"--set rules=\{bf16_first: 1, bf16_last: 1\}: rules.bf16_last is set"),
     ("study.routes=[bf16, {name: a, route: nvfp4, rules: {bf16_first: 2, bf16_last: 1}}]",
      r"study.routes\[1\] \(a\): rules.bf16_first=2 \+ rules.bf16_last=1 blocks in bf16 is more than the model's 2"),
 ])
@@ -311,6 +314,10 @@ def test_mistakes_are_one_line_exit_2(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and err.startswith("python -m train.study: error: --only 'bf16:7' names no run")
   assert "'bf16:0', 'bf16:1', 'mxfp4_last1:0', 'mxfp4_last1:1'" in err
+  assert study.main(["--config", path, "--set", "route=nvfp4"]) == EXIT_USER_ERROR  # the entries set the routes
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and "a study does not read route, its routes come from the study's entries" in err
+  assert [r.cfg.rules.bf16_first for r in study.load(path, ["rules.bf16_first=1"]).runs] == [1] * 4  # no entry's
   (tmp_path / "plain.yaml").write_text("route: bf16\n")
   assert study.main(["--config", str(tmp_path / "plain.yaml")]) == EXIT_USER_ERROR
   assert "has no study: section" in capsys.readouterr().err
