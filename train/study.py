@@ -27,12 +27,13 @@ run (checkpoints, metrics, not committed). run.steps and run.routes must not be 
 
 When a run finishes, its record goes to <results>/runs/<name>-seed<seed>.json: the settings, the final train and
 held-out loss, throughput, compile and first-step time, the step's planned memory, date, git commit (or
-$FP4JAX_COMMIT where the tree has no git), device, and its logged train-loss curve subsampled to <= curve_points points. A run whose
-record exists is not run again, so a study goes on across processes, machines and sessions (one run per call
-with --only); a run cut short resumes from the checkpoint in its scratch directory if that is still there. Every
-record is checked against its run's config first (`study_records`: other settings stop the call). A run
-whose loss goes non-finite is recorded with that status (the report counts it, its loss is left out). After the
-runs (or alone with --report) the report is written from every record: see `train.study_report`.
+$FP4JAX_COMMIT where the tree has no git), device, and its logged train-loss curve subsampled to <= curve_points
+points. A run whose record exists is not run again, so a study goes on across processes, machines and sessions
+(one run per call with --only); a run cut short resumes from the checkpoint in its scratch directory if that is
+still there and was saved with the same config; a finished run found there without its record is trained again
+(`clear_scratch`). Every record is checked against its run's config first (`study_records`: other settings stop
+the call). A run whose loss goes non-finite is recorded with that status (the report counts it, its loss is left
+out). After the runs (or alone with --report) the report is written from every record: see `train.study_report`.
 
 Exit status: 0 when no run of this call diverged, 1 when one did (it is recorded all the same), 2 for a mistake in
 the config (one line, before any work).
@@ -50,7 +51,7 @@ import subprocess
 import sys
 from typing import Any, TextIO
 
-from train import config as config_lib, interrupt, main as main_lib, metrics, study_report
+from train import config as config_lib, interrupt, lock, main as main_lib, metrics, study_report
 from train.config import ConfigError
 from train.errors import UserError
 
@@ -299,6 +300,12 @@ def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> lis
             f"recorded; running {len(todo)} of the {len(runs)} selected: {[r.key for r in todo]}\n")
   failed = []
   for r in todo:
+    if jax.process_index() == 0:
+      with lock.RunLock(r.cfg.run.out_dir, log=log):  # not under a run of it going on now
+        clear_scratch(r, log=log)
+    if jax.process_count() > 1:  # every process finds the scratch directory as the first left it
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"study scratch {r.key}")
     try:
       row, status = train.run_all(r.cfg, log=log)[0], "ok"
     except train.NonFiniteLossError as e:
@@ -309,6 +316,27 @@ def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> lis
       metrics.write_json(study.record_path(r), record(study, r, row, status, device_name(jax)))
       log.write(f"[study] recorded {study.record_path(r)} ({status})\n")
   return failed
+
+
+def clear_scratch(run: Run, *, log: TextIO) -> None:
+  """Sets aside what `run`'s scratch directory holds unless it is this run cut short with these very settings, so
+  that no record reports a run under settings, code or a device it did not use. A finished run there has no
+  record (deleted to train it again, or lost): `train.run` would report its result.json, which names neither its
+  commit nor its device and passes settings a record depends on (run.log_every), so it is trained again. A
+  checkpoint is resumed only where the config.yaml beside it is this run's config, exactly."""
+  from train import checkpoint, train
+  out = run.cfg.run.out_dir
+  why = "of a finished run without its study record"
+  if not os.path.exists(os.path.join(out, train.RESULT_FILE)):
+    if not checkpoint.saved_steps(os.path.join(out, "ckpt")):
+      return  # nothing to resume (train.run sets aside a log left without a checkpoint)
+    try:
+      if config_lib.read_yaml(os.path.join(out, "config.yaml")) == config_lib.to_dict(run.cfg):
+        return
+    except ConfigError:  # missing or damaged: not this run's settings for all it shows
+      pass
+    why = "of a run checkpointed with other settings"
+  metrics.set_aside(out, log=log, names=metrics.RUN_OUTPUTS + ("ckpt",), why=f"{why}; {run.key} trains afresh")
 
 
 def record(study: Study, run: Run, row: dict[str, Any], status: str, device: str) -> dict[str, Any]:

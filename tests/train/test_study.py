@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import statistics
 import subprocess
 
 import pytest
 import yaml
 
-from train import study, study_report, train
+from train import config, study, study_report, train
 from train.config import ConfigError
 from train.errors import UserError
 from train.main import EXIT_USER_ERROR
@@ -63,20 +64,28 @@ def test_one_run_trains_and_is_recorded(tmp_path):
 
 
 def _fake_run_all(calls: list[str], diverge: str = ""):
-  """A stand-in for train.run_all: writes a metrics.jsonl whose losses depend on the route and seed, returns a row."""
+  """A stand-in for train.run_all: reports the result.json of a run finished in its out_dir with the same settings
+  (`train.check_out_dir`, as train.run does), else "trains" (one entry in `calls`): writes its config.yaml, a
+  metrics.jsonl whose losses depend on the route and seed, and result.json, and returns that row."""
   def run_all(cfg, *, log=None):
+    saved = train.check_out_dir(cfg)
+    if saved is not None:
+      return [saved]
     key = os.path.basename(cfg.run.out_dir)
     calls.append(key)
     base = 3.0 + 0.1 * (cfg.route != "bf16") + 0.013 * cfg.run.seed ** 2
     os.makedirs(cfg.run.out_dir, exist_ok=True)
+    (pathlib.Path(cfg.run.out_dir) / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg)))
     with open(os.path.join(cfg.run.out_dir, "metrics.jsonl"), "w") as f:
-      for step in range(1, cfg.run.steps + 1):
+      for step in sorted({*range(cfg.run.log_every, cfg.run.steps + 1, cfg.run.log_every), cfg.run.steps}):
         f.write(json.dumps({"step": step, "kind": "train", "route": cfg.route, "loss": base + 1 / step}) + "\n")
     if key == diverge:
       raise train.NonFiniteLossError(f"[{cfg.route}] loss is nan at step 3; stopped. No checkpoint was saved yet.")
-    return [{"route": cfg.route, "steps": cfg.run.steps, "eval_loss": base + 0.2 + 0.01 * (cfg.route == "bf16"),
-             "tokens_per_s": 1000.0 + cfg.run.seed, "compile_s": 1.0, "first_step_s": 2.0, "peak_bytes": 2 ** 20,
-             "peak_kind": "host RSS", "status": "ok"}]
+    row = {"route": cfg.route, "steps": cfg.run.steps, "eval_loss": base + 0.2 + 0.01 * (cfg.route == "bf16"),
+           "tokens_per_s": 1000.0 + cfg.run.seed, "compile_s": 1.0, "first_step_s": 2.0, "peak_bytes": 2 ** 20,
+           "peak_kind": "host RSS", "status": "ok"}
+    (pathlib.Path(cfg.run.out_dir) / train.RESULT_FILE).write_text(json.dumps(row))
+    return [row]
   return run_all
 
 
@@ -237,6 +246,37 @@ def test_report_averages_every_record_over_one_window(tmp_path, monkeypatch, cap
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and ("mxfp4_last1-seed0.json averages its final train loss over its last 3 logged "
                                    "losses, not the 1 of study.final_logged=1, and its curve keeps 2 of its 3") in err
+
+
+def test_a_finished_scratch_run_without_its_record_trains_again(tmp_path, monkeypatch):
+  """A run whose record was deleted trains again: the finished run left in its scratch directory is set aside, not
+  reported under this call's settings (here another run.log_every: its curve kept the old spacing), commit and
+  device. A checkpoint there is resumed only where the config.yaml beside it is this run's config."""
+  path = _study_file(tmp_path, seeds=1)
+  results, scratch = tmp_path / "results", tmp_path / "scratch"
+  calls: list[str] = []
+  monkeypatch.setattr(train, "run_all", _fake_run_all(calls))
+  assert study.main(["--config", path]) == 0 and calls == ["bf16-seed0", "mxfp4_last1-seed0"]
+  for rec in (results / "runs").glob("*.json"):
+    rec.unlink()
+  assert study.main(["--config", path, "--set", "run.log_every=2", "--only", "bf16"]) == 0
+  assert calls[2:] == ["bf16-seed0"] and _records(results)["bf16-seed0"]["curve"]["step"] == [2, 3]
+  [aside] = [d for d in os.listdir(scratch / "bf16-seed0") if d.startswith("previous-")]
+  assert sorted(os.listdir(scratch / "bf16-seed0" / aside)) == ["config.yaml", "metrics.jsonl", "result.json"]
+
+  out = scratch / "mxfp4_last1-seed0"
+  (out / train.RESULT_FILE).unlink()  # cut short at step 2, its config.yaml this run's: resumed
+  (out / "ckpt" / "2").mkdir(parents=True)
+  (results / "runs" / "bf16-seed0.json").unlink()  # recorded with log_every 2, which would stop the calls below
+  assert study.main(["--config", path, "--only", "mxfp4_last1"]) == 0
+  assert calls[3:] == ["mxfp4_last1-seed0"] and os.listdir(out / "ckpt") == ["2"]
+  assert not [d for d in os.listdir(out) if d.startswith("previous-")]
+  (out / train.RESULT_FILE).unlink()
+  (results / "runs" / "mxfp4_last1-seed0.json").unlink()
+  assert study.main(["--config", path, "--only", "mxfp4_last1", "--set", "run.log_every=2"]) == 0
+  assert calls[4:] == ["mxfp4_last1-seed0"] and not (out / "ckpt").exists()
+  [aside] = [d for d in os.listdir(out) if d.startswith("previous-")]
+  assert os.listdir(out / aside / "ckpt") == ["2"]
 
 
 def test_a_finished_run_without_its_log_is_not_recorded_as_ok(tmp_path, monkeypatch):
