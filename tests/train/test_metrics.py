@@ -78,3 +78,15 @@ def test_progress_plain_lines_unless_a_terminal():
   for step in range(1, 13):
     bar.update(step, 2.0, 1000.0, 3.0)
   assert tty.getvalue().count("\r") == 12
+
+
+def test_two_set_asides_within_a_second_keep_both(tmp_path, monkeypatch):
+  """Each set-aside gets its own previous-<time> folder, also when the clock shows the same second (a study
+  clearing a scratch run, then the run setting aside what it finds)."""
+  monkeypatch.setattr(metrics.time, "strftime", lambda fmt: "20261205-200000")
+  for text in ("first", "second"):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    metrics.set_aside(str(tmp_path), log=io.StringIO())
+  asides = sorted(p.name for p in tmp_path.iterdir())
+  assert asides == ["previous-20261205-200000", "previous-20261205-200000-2"]
+  assert [(tmp_path / a / "metrics.jsonl").read_text() for a in asides] == ["first", "second"]
