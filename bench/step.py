@@ -5,7 +5,7 @@
                        [--unfused-linears] [--microbatches N]
                        [--out step.json] [--hlo DIR]
 
-The step is `python -m train`'s: next-token cross-entropy and its gradient (`train.train.loss_and_grads`: in
+The step is `python -m train`'s: next-token cross-entropy and its gradient (`train.objective.loss_and_grads`: in
 `--microbatches` sequential passes, as `data.microbatches` does), AdamW, the state donated;
 bf16 compute, float32 parameters, the route on every block linear (embedding and lm_head stay bf16). Tokens
 are uniform random ids (the step's speed does not depend on their values). `--layers` keeps a preset's layer
@@ -49,7 +49,7 @@ from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, compiling, platform
 from fp4jax.ops import gemm as gemm_lib
-from train import metrics, train as train_lib
+from train import metrics, objective
 from train.errors import UserError
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
@@ -154,11 +154,11 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
     key = jax.random.fold_in(base_key, i)
     if flax:  # the FP8 state's "gradients" are its next values: written back, not optimized
       wrt = nnx.DiffState(0, (nnx.Param, flax_fp8.Fp8Meta))
-      loss, grads = nnx.value_and_grad(train_lib.cross_entropy, argnums=wrt)(model, tokens, key)
+      loss, grads = nnx.value_and_grad(objective.cross_entropy, argnums=wrt)(model, tokens, key)
       grads, fp8_state = flax_fp8.split_grads(grads)
       nnx.update(model, fp8_state)
     else:
-      loss, grads = train_lib.loss_and_grads(model, tokens, key, microbatches)
+      loss, grads = objective.loss_and_grads(model, tokens, key, microbatches)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 

@@ -89,10 +89,10 @@ def _run(args: argparse.Namespace) -> int:
   from train import config
   cfg = config.load_config(args.config, args.set)  # every key and value checked before JAX starts
   jax = start_jax(cfg)
-  from train import metrics, train
+  from train import metrics, progress, train
   try:
     rows = train.run_all(cfg)
-  except train.NonFiniteLossError:
+  except progress.NonFiniteLossError:
     return EXIT_FAILED_RUN
   failed = [r for r in rows if r.get("status") != "ok"]
   if jax.process_index() == 0:

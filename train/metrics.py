@@ -101,7 +101,8 @@ RUN_OUTPUTS = ("metrics.jsonl", "tb", "loss.png", "result.json", "config.yaml")
 def set_aside(out_dir: str, *, log: TextIO, names: Sequence[str] = RUN_OUTPUTS,
               why: str = "of an earlier run without a checkpoint to resume") -> str | None:
   """Moves the outputs of an earlier run that left no checkpoint (`RUN_OUTPUTS`, or `names`) to
-  out_dir/previous-<time>/ (-2, -3, ... after a second one within a second), so a fresh start neither appends to its log (read back as one curve) nor deletes it.
+  out_dir/previous-<time>/ (-2, -3, ... for a second one within the same second), so a fresh start neither
+  appends to its log (read back as one curve) nor deletes it.
   Returns that folder, or None when there was nothing to move."""
   found = [name for name in names if os.path.exists(os.path.join(out_dir, name))]
   if not found:

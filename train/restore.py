@@ -15,7 +15,7 @@ from typing import Any, TextIO
 import numpy as np
 from flax import nnx
 
-from train import checkpoint, data
+from train import build, checkpoint, data
 from train import config as config_lib
 from train import train
 from train.errors import UserError
@@ -70,8 +70,8 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   if not checkpoint.saved_steps(ckpt_dir):
     raise UserError(f"{run_dir} has no checkpoint under ckpt/: the run has not saved one yet (run.ckpt_every, or "
                     f"its last step)")
-  tok = train.preflight(cfg)
-  ts = train.init_train_state(saved, tok.vocab_size, train.check_mesh(saved))
+  tok = build.preflight(cfg)
+  ts = train.init_train_state(saved, tok.vocab_size, build.check_mesh(saved))
   ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
   try:
     ts.state, _, step = ckpt.restore(ts.state, alternative=train.checkpoint_alternative(ts))
@@ -79,8 +79,8 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
     ckpt.close()
   model, _ = nnx.merge(ts.graphdef, ts.state)
   if cfg != saved:
-    lcfg = train.llama_config(cfg, tok.vocab_size)
-    wanted = nnx.eval_shape(lambda: train.build_model(cfg, lcfg))  # every parameter is copied in below
+    lcfg = build.llama_config(cfg, tok.vocab_size)
+    wanted = nnx.eval_shape(lambda: build.build_model(cfg, lcfg))  # every parameter is copied in below
     copy_params(model, wanted)
     model = wanted
   return TrainedRun(model, cfg, step)

@@ -294,7 +294,7 @@ def study_records(study: Study) -> tuple[list[dict[str, Any]], list[str]]:
 def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> list[str]:
   """Trains each of `runs` that has no record yet and writes its record; returns the keys of those not ok."""
   import jax
-  from train import train
+  from train import progress, train
   todo = [r for r in runs if not os.path.exists(study.record_path(r))]
   log.write(f"[study] {len(study.runs)} runs, {sum(os.path.exists(study.record_path(r)) for r in study.runs)} "
             f"recorded; running {len(todo)} of the {len(runs)} selected: {[r.key for r in todo]}\n")
@@ -308,7 +308,7 @@ def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> lis
       multihost_utils.sync_global_devices(f"study scratch {r.key}")
     try:
       row, status = train.run_all(r.cfg, log=log)[0], "ok"
-    except train.NonFiniteLossError as e:
+    except progress.NonFiniteLossError as e:
       row, status = {}, str(e)
       failed.append(r.key)
     if jax.process_index() == 0:

@@ -123,11 +123,11 @@ def test_a_scanned_run_resumes_a_checkpoint_of_its_blocks_per_layer(tmp_path):
   step restores into the stacked state through `train.checkpoint_alternative`, parameters and Adam moments
   alike, with a note; the same step into an unrolled state needs no conversion."""
   from fp4jax.nn.llama.model import unstacked_params  # pylint: disable=g-import-not-at-top
-  from train import config, train  # pylint: disable=g-import-not-at-top
+  from train import build, config, train  # pylint: disable=g-import-not-at-top
   cfg = lambda scan: config.from_dict({"model": {"preset": "tiny", "dtype": "float32", "scan_layers": scan},
                                        "route": "mxfp4", "data": {"seq_len": 32, "batch_size": 2},
                                        "run": {"steps": 2, "seed": 5}})
-  mesh = train.make_mesh((1, 1), jax.devices()[:1])
+  mesh = build.make_mesh((1, 1), jax.devices()[:1])
   per_layer, stacked = (train.init_train_state(cfg(scan), 257, mesh) for scan in (False, True))
   batch = train.to_global(np.random.default_rng(0).integers(0, 257, (2, 33)).astype(np.int32), per_layer.batch_sharding)
   per_layer.state, _, _ = per_layer.train_step(per_layer.state, batch, np.int32(0))  # moments that are not zero

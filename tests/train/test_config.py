@@ -64,18 +64,18 @@ def test_errors(override, match):
 def test_shipped_configs_resolve():
   """Every configs/*.yaml loads (a study config: every run's config), and its model preset and route rules resolve
   (no model is built)."""
-  from train import study, train
+  from train import build, objective, study
   paths = sorted(glob.glob("configs/*.yaml"))
   assert "configs/cpu_compare.yaml" in paths and "configs/study_30m.yaml" in paths
   vocab = {"byte": 257, "gpt2": 50257, "sentencepiece": 32000}
   for p in paths:
     cfgs = [r.cfg for r in study.load(p).runs] if "study" in config.read_yaml(p) else [config.load_config(p)]
     for cfg in cfgs:
-      lcfg = train.llama_config(cfg, vocab[cfg.data.tokenizer])
+      lcfg = build.llama_config(cfg, vocab[cfg.data.tokenizer])
       assert lcfg.vocab_size % 128 == 0 and lcfg.max_seq_len >= cfg.data.seq_len, p
       for route in cfg.run.routes or (cfg.route,):
-        train.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
-      assert train.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
+        build.route_rules(config.replace(cfg, route=route), lcfg.n_layers)
+      assert objective.lr_schedule(cfg.optim, cfg.run.steps)(cfg.run.steps) > 0, p
 
 
 def test_kernels_section_reaches_every_linear():
@@ -83,10 +83,10 @@ def test_kernels_section_reaches_every_linear():
   from fp4jax import Impl
   from fp4jax.nn import FP4Linear
   from flax import nnx
-  from train import train
+  from train import build, train
   cfg = config.load_config(None, ["kernels.quantizer=xla", "kernels.gemm=emulated", "route=mxfp4"])
   assert cfg.kernels.impl() == Impl(quantizer="xla", gemm="emulated")
-  ts = train.init_train_state(cfg, 256, train.make_mesh((1, 1), jax.devices()[:1]))
+  ts = train.init_train_state(cfg, 256, build.make_mesh((1, 1), jax.devices()[:1]))
   model, _ = nnx.merge(ts.graphdef, ts.state)
   impls = {m.impl for _, m in nnx.iter_graph(model) if isinstance(m, FP4Linear)}
   assert impls == {Impl(quantizer="xla", gemm="emulated")}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.__main__ import main as bench_main
-from train import config, restore, train
+from train import build, config, restore, train
 from train.errors import UserError
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
@@ -46,7 +46,7 @@ def test_load_restores_the_trained_weights_in_any_form(run_dir):
   # The same trained parameters whatever the route and layout the model is rebuilt with ...
   jax.tree.map(np.testing.assert_array_equal, _kernels(trained.model), _kernels(fresh.model))
   # ... and not the initial ones: 3 steps at lr 1e-2 moved them.
-  initial = train.init_train_state(trained.config, 257, train.check_mesh(trained.config))
+  initial = train.init_train_state(trained.config, 257, build.check_mesh(trained.config))
   init_down = np.asarray(initial.state[0]["stacks"][0]["mlp"]["down"]["kernel"][...][0])
   assert not np.array_equal(init_down, _kernels(trained.model)[0])
   batch = trained.heldout_batch(2, log=None)

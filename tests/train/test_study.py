@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from train import config, study, study_report, train
+from train import config, progress, study, study_report, train
 from train.config import ConfigError
 from train.errors import UserError
 from train.main import EXIT_USER_ERROR
@@ -80,7 +80,7 @@ def _fake_run_all(calls: list[str], diverge: str = ""):
       for step in sorted({*range(cfg.run.log_every, cfg.run.steps + 1, cfg.run.log_every), cfg.run.steps}):
         f.write(json.dumps({"step": step, "kind": "train", "route": cfg.route, "loss": base + 1 / step}) + "\n")
     if key == diverge:
-      raise train.NonFiniteLossError(f"[{cfg.route}] loss is nan at step 3; stopped. No checkpoint was saved yet.")
+      raise progress.NonFiniteLossError(f"[{cfg.route}] loss is nan at step 3; stopped. No checkpoint was saved yet.")
     row = {"route": cfg.route, "steps": cfg.run.steps, "eval_loss": base + 0.2 + 0.01 * (cfg.route == "bf16"),
            "tokens_per_s": 1000.0 + cfg.run.seed, "compile_s": 1.0, "first_step_s": 2.0, "peak_bytes": 2 ** 20,
            "peak_kind": "host RSS", "status": "ok"}

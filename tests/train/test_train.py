@@ -20,7 +20,7 @@ from flax import nnx
 
 import cpu_devices
 from fp4jax import platform
-from train import checkpoint, config, data, interrupt, metrics, train
+from train import build, checkpoint, config, data, interrupt, metrics, objective, progress, train
 from train import main as main_lib
 from train.errors import UserError
 from train.main import EXIT_FAILED_RUN, main
@@ -166,7 +166,7 @@ def _nan_loss_at(monkeypatch, bad_step: int) -> list[int]:
 def test_non_finite_loss_stops_with_message(tmp_path, monkeypatch, ckpt_every, last_good):
   dispatched = _nan_loss_at(monkeypatch, 3)  # the 4th update's loss (its PRNG step index is 3)
   cfg = tiny_cfg(tmp_path, f"run.ckpt_every={ckpt_every}")
-  with pytest.raises(train.NonFiniteLossError, match=rf"loss is nan at step 4; stopped. {last_good}"):
+  with pytest.raises(progress.NonFiniteLossError, match=rf"loss is nan at step 4; stopped. {last_good}"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
   # Saving after step 4 checks its loss first; otherwise it is read once step 5 runs (no per-step sync).
   assert dispatched == ([0, 1, 2, 3] if ckpt_every else [0, 1, 2, 3, 4])
@@ -179,13 +179,13 @@ def test_huge_lr_stops_naming_steps_as_the_checkpoints_count(tmp_path):
   # gradient is not, and the update would overflow them (found then as a non-finite state before saving step 2).
   # Steps count updates from 1, as checkpoints do: checkpoint 1 is the last finite one.
   cfg = tiny_cfg(tmp_path, "optim.lr=1e30", "optim.warmup=0", "run.ckpt_every=1")
-  with pytest.raises(train.NonFiniteLossError,
+  with pytest.raises(progress.NonFiniteLossError,
                      match=r"gradient norm is nan at step 2; stopped. Last good checkpoint: step 1 in .*ckpt"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
   assert checkpoint.Checkpointer(os.path.join(cfg.run.out_dir, "ckpt")).latest_step() == 1
   # lr=1e39 (infinite in float32): the first update itself overflows, its loss and gradient finite.
   cfg = tiny_cfg(tmp_path / "inf", "optim.lr=1e39", "optim.warmup=0", "run.ckpt_every=1")
-  with pytest.raises(train.NonFiniteLossError,
+  with pytest.raises(progress.NonFiniteLossError,
                      match=r"state is non-finite after step 1 \(whose loss was finite\); stopped before saving it. "
                            r"No checkpoint"):
     train.run(cfg, TOKENS, TOKENS[:2000], 257)
@@ -351,7 +351,7 @@ def test_step_memory_is_the_compiled_steps_plan():
 
 def test_compare_mode_fails_when_routes_diverge(tmp_path, monkeypatch, capsys):
   def diverge(cfg, *args, label=None):
-    raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
+    raise progress.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
   monkeypatch.setattr(train, "run", diverge)
   cfg = _corpus_cfg(tmp_path)
   os.makedirs(cfg.run.out_dir)
@@ -374,7 +374,7 @@ def test_compare_mode_runs_the_other_routes_when_one_fails(tmp_path, monkeypatch
     ran.append(label)
     if label == "bf16":
       raise RuntimeError("a bug in one route")
-    raise train.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
+    raise progress.NonFiniteLossError(f"[{label}] loss is nan at step 2; stopped. No checkpoint was saved yet in x.")
   monkeypatch.setattr(train, "run", fail)
   cfg = _corpus_cfg(tmp_path)
   assert main(["--set", f"data.sources={list(cfg.data.sources)}", "--set", f"data.cache_dir={cfg.data.cache_dir}",
@@ -389,16 +389,16 @@ def test_compare_mode_runs_the_other_routes_when_one_fails(tmp_path, monkeypatch
 
 
 def test_compile_ticker_reports_while_it_lasts(capsys):
-  with train.compile_ticker("mxfp4", every=0.05) as elapsed:
+  with progress.compile_ticker("mxfp4", every=0.05) as elapsed:
     time.sleep(0.3)
   assert elapsed() >= 0.3
   err = capsys.readouterr().err.splitlines()
   assert err[0].startswith("[mxfp4] compiling the train step: ") and len(err) >= 3
   assert err[-1].startswith("[mxfp4] train step compiled in 0.")
-  with train.compile_ticker("bf16", enabled=False):
+  with progress.compile_ticker("bf16", enabled=False):
     pass
   assert capsys.readouterr().err == ""
-  with pytest.raises(ValueError), train.compile_ticker("fp8"):  # a failure is not reported as compiled
+  with pytest.raises(ValueError), progress.compile_ticker("fp8"):  # a failure is not reported as compiled
     raise ValueError("no backend runs it")
   assert capsys.readouterr().err.startswith("[fp8] train step's first call failed after 0.")
 
@@ -428,7 +428,7 @@ def test_the_compiled_steps_do_not_depend_on_the_seed(tmp_path):
   texts = []
   for seed in (0, 1):
     cfg = tiny_cfg(tmp_path, "route=mxfp4", "kernels.quantizer=xla", f"run.seed={seed}")  # SR: keyed
-    ts = train.init_train_state(cfg, 257, train.make_mesh((1, 1), jax.devices()[:1]))
+    ts = train.init_train_state(cfg, 257, build.make_mesh((1, 1), jax.devices()[:1]))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
     step, evaluate = ts.train_step, ts.eval_step
     texts.append((step.jitted.lower(ts.state, batch, jnp.int32(0), *step.bound).as_text(),
@@ -442,7 +442,7 @@ def test_microbatches_give_the_whole_batch_update():
   a lost or doubled microbatch would move the loss by > 1e-3."""
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, 257, (8, 33)).astype(np.int32) for _ in range(3)]
-  mesh = train.make_mesh((1, 1), jax.devices()[:1])
+  mesh = build.make_mesh((1, 1), jax.devices()[:1])
   out = {m: tiny_steps(batches, mesh, m) for m in (1, 2, 4)}
   for microbatches in (2, 4):
     np.testing.assert_allclose(out[microbatches]["losses"], out[1]["losses"], rtol=2e-6, err_msg=str(microbatches))
@@ -458,14 +458,14 @@ def test_microbatches_draw_their_own_keys():
                           "kernels": {"quantizer": "xla"},
                           "data": {"seq_len": 32, "batch_size": 4, "microbatches": 2},
                           "optim": {"lr": 1e-3, "warmup": 0}, "run": {"steps": 2}})
-  ts = train.init_train_state(cfg, 257, train.make_mesh((1, 1), jax.devices()[:1]))
+  ts = train.init_train_state(cfg, 257, build.make_mesh((1, 1), jax.devices()[:1]))
   model, _ = nnx.merge(ts.graphdef, ts.state)
   row = np.random.default_rng(1).integers(0, 257, (1, 33)).astype(np.int32)
   batch = jnp.asarray(np.repeat(row, 4, axis=0))  # microbatch 0 = rows 0, 2; microbatch 1 = rows 1, 3: equal
   key = jax.random.key(3)
-  _, split = train.loss_and_grads(model, batch, key, 2)
-  _, whole = train.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 0), 1)
-  _, again = train.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 1), 1)
+  _, split = objective.loss_and_grads(model, batch, key, 2)
+  _, whole = objective.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 0), 1)
+  _, again = objective.loss_and_grads(model, batch[:2], jax.random.fold_in(key, 1), 1)
   mean = jax.tree.map(lambda a, b: (a + b) / 2, whole, again)
   for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(mean)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
@@ -478,7 +478,7 @@ def test_eval_runs_in_the_train_steps_microbatches():
   up to float32 summation order, from a program that XLA plans on one microbatch's activations (it ran the whole
   batch at once, so a batch that fit only in microbatches could run out of memory at the first eval)."""
   batch = np.random.default_rng(0).integers(0, 257, (8, 33)).astype(np.int32)
-  mesh = train.make_mesh((1, 1), jax.devices()[:1])
+  mesh = build.make_mesh((1, 1), jax.devices()[:1])
   loss, temp = {}, {}
   for m in (1, 4):
     cfg = config.from_dict({"model": {"preset": "tiny", "dtype": "float32"}, "run": {"steps": 2},
@@ -495,7 +495,7 @@ _SHARDED = textwrap.dedent("""
   import jax, numpy as np
   sys.path.insert(0, "tests/train")
   from tiny_steps import tiny_steps
-  from train import train
+  from train import build
   out = {}
   # "..._mb2": 16 sequences in 2 microbatches of 8, each split over the 8 devices. "..._scanned": the blocks as
   # one loop (fp4jax.nn.scan.run_layers) over sharded stacked parameters.
@@ -504,7 +504,7 @@ _SHARDED = textwrap.dedent("""
       ("data2_fsdp4", (2, 4), None, 8, 1, "auto"), ("single_16", (1, 1), jax.devices()[:1], 16, 1, "auto"),
       ("data2_fsdp4_mb2", (2, 4), None, 16, 2, "auto"), ("data2_fsdp4_scanned", (2, 4), None, 8, 1, True)]:
     batches = [np.random.default_rng(i).integers(0, 257, (batch, 33)).astype(np.int32) for i in range(3)]
-    run = tiny_steps(batches, train.make_mesh(shape, devs), microbatches, scan)
+    run = tiny_steps(batches, build.make_mesh(shape, devs), microbatches, scan)
     out[name] = dict(run, params=run["params"].tolist())
   json.dump(out, sys.stdout)
 """)
@@ -538,7 +538,7 @@ settings = dict(route="mxfp4", model={"dtype": "bfloat16"}, kernels={"quantizer"
 out = {}
 for name, shape, devs in [("single", (1, 1), jax.devices()[:1]), ("data2_fsdp4", (2, 4), None)]:
   split.clear()
-  out[name] = {"losses": tiny_steps(batches, train.make_mesh(shape, devs), 1, "auto", **settings)["losses"],
+  out[name] = {"losses": tiny_steps(batches, build.make_mesh(shape, devs), 1, "auto", **settings)["losses"],
                "split": len(split)}
 json.dump(out, sys.stdout)
 """
@@ -556,19 +556,19 @@ def test_sharded_fp4_step_quantizes_each_devices_tokens():
 
 def test_lr_schedules():
   o = config.OptimConfig(lr=1.0, warmup=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
-  wsd = train.lr_schedule(o, 100)
+  wsd = objective.lr_schedule(o, 100)
   np.testing.assert_allclose([wsd(0), wsd(5), wsd(10), wsd(79), wsd(80), wsd(90), wsd(100)],
                              [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1], atol=1e-6)
-  cos = train.lr_schedule(config.replace(config.Config(), optim={"lr": 1.0, "warmup": 10, "min_lr_ratio": 0.1}
+  cos = objective.lr_schedule(config.replace(config.Config(), optim={"lr": 1.0, "warmup": 10, "min_lr_ratio": 0.1}
                                          ).optim, 100)
   np.testing.assert_allclose([cos(10), cos(55), cos(100)], [1.0, 0.55, 0.1], atol=1e-6)
   with pytest.raises(config.ConfigError, match=r"optim.schedule='linear' must be one of \['cosine', 'wsd'\]"):
-    train.lr_schedule(config.OptimConfig(schedule="linear"), 10)
+    objective.lr_schedule(config.OptimConfig(schedule="linear"), 10)
 
 
 
 def test_a_signal_is_handled_while_the_first_step_compiles():
-  """The first call compiles on a worker thread (`train.on_worker_thread`) while the main thread waits in short
+  """The first call compiles on a worker thread (`progress.on_worker_thread`) while the main thread waits in short
   joins: a signal's handler runs at once, where a compile on the main thread held it (and a second Ctrl-C,
   meant to stop at once) until the compile ended. The worker's result and exceptions come back."""
   class Stop(Exception):
@@ -582,13 +582,13 @@ def test_a_signal_is_handled_while_the_first_step_compiles():
     t0 = time.monotonic()
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
     with pytest.raises(Stop):
-      train.on_worker_thread(lambda: time.sleep(5))  # a compile: the GIL released, the main thread waiting
+      progress.on_worker_thread(lambda: time.sleep(5))  # a compile: the GIL released, the main thread waiting
     assert time.monotonic() - t0 < 2
   finally:
     signal.signal(signal.SIGUSR1, previous)
-  assert train.on_worker_thread(lambda: 42) == 42
+  assert progress.on_worker_thread(lambda: 42) == 42
   with pytest.raises(ZeroDivisionError):
-    train.on_worker_thread(lambda: 1 / 0)
+    progress.on_worker_thread(lambda: 1 / 0)
 
 
 def test_logging_is_left_out_of_the_throughput(tmp_path):
@@ -600,7 +600,7 @@ def test_logging_is_left_out_of_the_throughput(tmp_path):
     def log(self, *args, **kwargs):
       time.sleep(0.2)
 
-  rec = train._StepRecorder(cfg, "bf16", None, SlowLog(), metrics.ProgressBar(8, "bf16", enabled=False))
+  rec = progress.StepRecorder(cfg, "bf16", None, SlowLog(), metrics.ProgressBar(8, "bf16", enabled=False))
   t0 = time.time()
   for step in range(1, 7):
     rec.record(step, jnp.float32(1.0), jnp.float32(1.0))
