@@ -45,7 +45,8 @@ class Route:
   """The numeric recipe of one `fp4_dot`: an `OperandSpec` per GEMM operand role (see the module doc).
 
   A role given as None means high precision. `requantize_saved`: the backward quantizes the *dequantized
-  forward FP4* X and W (Quartet II) instead of the original high-precision ones, so only FP4 is saved.
+  forward FP4* X and W (Quartet II) instead of the original high-precision ones, so only FP4 is saved; it needs
+  every operand quantized and no fprop transform (whose dequantized operands are still rotated).
   """
 
   name: str
@@ -76,6 +77,10 @@ class Route:
     if self.requantize_saved and not all(self.spec(r).quantized for r in ROLES):
       raise ValueError(f"Route {self.name!r}: requantize_saved needs every operand quantized (the backward "
                        f"re-quantizes the saved FP4 X and W): {self}")
+    if self.requantize_saved and self.fprop_x.transform is not None:
+      raise ValueError(f"Route {self.name!r}: requantize_saved re-quantizes the dequantized fprop X and W, which "
+                       f"the fprop transform {self.fprop_x.transform!r} leaves rotated along K: the backward would "
+                       f"multiply rotated operands (wrong gradients); drop the fprop transform or requantize_saved")
 
   def spec(self, role: str) -> OperandSpec:
     return getattr(self, role)

@@ -83,6 +83,12 @@ def test_route_requantize_saved_needs_quantized_operands():
     Route("bad", fprop_x=OperandSpec("nvfp4"), fprop_w=OperandSpec("nvfp4"), requantize_saved=True)
   with pytest.raises(TypeError, match="requantize_saved takes True or False, got 'no'"):  # a truthy str: on
     Route("bad", requantize_saved="no")
+  # The saved fprop operands dequantize to rotated values: the backward's products would be of rotated X and W
+  # (dX and dW came out with cosine -0.12 against the true gradients).
+  h, nv = OperandSpec("nvfp4", transform="h16"), OperandSpec("nvfp4")
+  with pytest.raises(ValueError, match="requantize_saved .* fprop transform 'h16'"):
+    Route("bad", fprop_x=h, fprop_w=h, dgrad_dy=nv, dgrad_w=nv, wgrad_dy=nv, wgrad_x=nv, requantize_saved=True)
+  Route("ok", fprop_x=h, fprop_w=h, dgrad_dy=nv, dgrad_w=nv, wgrad_dy=nv, wgrad_x=nv)
   assert OperandSpec("mxfp4", clip_fraction=np.float32(0.87)).clip_fraction == np.float32(0.87)
 
 
