@@ -261,15 +261,14 @@ def check_x64(dtype: np.dtype, what: str) -> None:
 
 
 def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """x and w cast to vary over every shard_map axis that any of x, w (and key) varies over.
+  """x and w cast to vary over every shard_map axis that any of x, w (and key) varies over
+  (`platform.vary_alike`).
 
   Inside `shard_map` a custom_vjp must return cotangents of its primals' types: dW of a replicated w computed
   from a sharded x varies over the mesh axis, w does not. Casting w to varying first (as a plain dot does
   implicitly) makes the types agree, and the cast's transpose sums dW over that axis. No-op outside shard_map.
   """
-  varying = lambda a: jax.typeof(a).manual_axis_type.varying
-  axes = frozenset().union(*(varying(a) for a in (x, w) + (() if key is None else (key,))))
-  return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in (x, w))
+  return platform.vary_alike(x, w, also=() if key is None else (key,))
 
 
 def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl: Impl,

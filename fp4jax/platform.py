@@ -3,6 +3,9 @@ fp8 GEMM's output dtype, the attention kernel), and process-wide set-up: the XLA
 compilation cache the apps (train, bench) start with, and the Triton dialect's module name that the Pallas
 kernels' package registers when it is imported (`alias_triton_dialect_module`).
 
+`vary_alike` casts values inside `jax.shard_map` to one varying type, where fp4_dot and the Pallas kernels
+meet both sharded and replicated values.
+
 The default backend answers on a machine with the accelerator; an abstract mesh of GPU devices answers when a
 GPU program is lowered on a machine without one (`python -m bench program`), so both see the same program.
 """
@@ -30,6 +33,15 @@ def splits_explicit_axes() -> bool:
   where XLA's partitioner places what has no explicit sharding rule (a table lookup, a gather, a loop's stacks)."""
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and any(mesh.shape[a] > 1 for a in mesh.explicit_axes)
+
+
+def vary_alike(*arrays: jax.Array, also: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, ...]:
+  """`arrays` cast to vary over every `jax.shard_map` axis that any of them (or of `also`) varies over; a no-op
+  outside shard_map. Where a computation mixes sharded and replicated values, its results vary with the
+  sharded ones: a custom_vjp must return cotangents of its primals' types, a Pallas call declares its outputs'."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+  axes = frozenset().union(*(varying(a) for a in arrays + also))
+  return tuple(jax.lax.pcast(a, tuple(sorted(axes - varying(a), key=str)), to="varying") for a in arrays)
 
 
 def usable_cpus() -> int:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P, use_abstract_mesh
 
 import cpu_devices
 from fp4jax import Impl
@@ -537,6 +538,48 @@ def test_shard_map_value_and_grad_matches_vmap_over_shards():
   value_and_grad: the numbers of fp4_dot run on each shard (a vmap over the shards, itself equal to a loop:
   test_vmap_over_examples_equals_a_loop)."""
   _run_on_2_cpu_devices(_SHARD_MAP)
+
+
+_SHARD_MAP_KERNELS = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from fp4jax import Impl
+from fp4jax.dot import fp4_dot
+mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+x = jax.random.normal(jax.random.key(0), (64, 64), jnp.bfloat16)
+w = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
+for route in ("mxfp4", "nvfp4", "quartet2"):
+  out = {}
+  for q in ("interpret", "xla"):
+    local = lambda x, w, q=q: fp4_dot(x, w, route=route, key=jax.random.key(2), impl=Impl(quantizer=q))
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    loss = lambda x, w: jnp.sum(jnp.sin(f(x, w).astype(jnp.float32)))
+    out[q] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+  for a, b in zip(jax.tree.leaves(out["interpret"]), jax.tree.leaves(out["xla"])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=route)
+"""
+
+
+def test_shard_map_with_the_kernels_in_interpret_mode():
+  """Inside jax.shard_map (its varying-axes check on), Impl(quantizer="interpret") gives the XLA quantizers'
+  numbers: interpret mode declines there and XLA's quantizers take over (every FP4 route used to fail on the
+  kernels' outputs, which declared no varying axes)."""
+  _run_on_2_cpu_devices(_SHARD_MAP_KERNELS)
+
+
+@pytest.mark.parametrize("route", ["mxfp4", "nvfp4", "quartet2"])
+def test_shard_map_lowers_with_the_kernels_for_an_h200(route):
+  """On a GPU inside jax.shard_map the Pallas kernels run: their outputs vary over the mesh axes their inputs
+  vary over, so fp4_dot's forward and backward lower for an H200 with the kernels in the program."""
+  mesh = AbstractMesh((2,), ("data",), axis_types=(AxisType.Auto,),
+                      abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  loss = lambda x, w: jnp.sum(fp4_dot(x, w, route=route, key=jax.random.key(0),
+                                      impl=Impl(quantizer="pallas")).astype(jnp.float32))
+  f = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+  x, w = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+  with use_abstract_mesh(mesh):
+    text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("triton") >= 3, route  # X's, W's and dY's quantizers at least
 
 
 def _dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fp4jax import platform
 from fp4jax.numerics import hadamard, prng
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 
@@ -302,8 +303,26 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
       return type(spec)(map(on_one_axis, spec))
     return dataclasses.replace(spec, index_map=lambda pid, f=spec.index_map: f(*grid_ids(grid, pid)))
 
-  return pl.pallas_call(kernel, grid=(math.prod(grid),), in_specs=on_one_axis(in_specs),
-                        out_specs=on_one_axis(out_specs), **kwargs)
+  out_shape = kwargs.pop("out_shape")
+  launch = lambda out_shape: pl.pallas_call(kernel, grid=(math.prod(grid),), in_specs=on_one_axis(in_specs),
+                                            out_specs=on_one_axis(out_specs), out_shape=out_shape, **kwargs)
+
+  def call(*args):
+    """The launch, its outputs varying over every mesh axis an input varies over (inside `jax.shard_map`, whose
+    type check needs each output's; the inputs are made to vary alike): the kernel maps tiles to tiles. In
+    interpret mode there a NotImplementedError (the next implementation, XLA's, gives the same bits): JAX 0.11.2
+    runs the kernel body on the varying inputs with replicated program ids, which its type check refuses."""
+    args = platform.vary_alike(*args)
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
+    if not varying:
+      return launch(out_shape)(*args)
+    if kwargs.get("interpret"):
+      raise NotImplementedError("Pallas interpret mode inside jax.shard_map's manual axes")
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    typed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
+    return launch(typed)(*args)
+
+  return call
 
 
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
