@@ -190,8 +190,9 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
     product and the exact float32 product, "rel_error": RMS over samples of ||P_k - P|| / ||P||, "bias":
     ||mean_k P_k - P|| / ||P||, "unbiased_bias": rel_error / sqrt(samples), what "bias" comes to for an unbiased
     estimator (0 for a deterministic GEMM), "spread": RMS over samples of ||P_k - mean_k P_k|| / ||P||,
-    "deterministic": both operands quantize without random bits (RNE, no random transform: every sample gives
-    the same product, spread 0 and bias equal to rel_error), "samples"}. A bias well above unbiased_bias
+    "deterministic": both operands quantize without random bits (RNE, no random transform; with
+    `requantize_saved`, also the fprop recipes that the saved X and W come from): every sample gives the same
+    product, spread 0 and bias equal to rel_error, "samples"}. A bias well above unbiased_bias
     means the GEMM is biased; for an unbiased one the two agree to within sampling noise.
   """
   route = route_lib.get(route)
@@ -223,7 +224,9 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
                  "rounding": spec.rounding, "transform": spec.transform or "", **metrics})
   sums = _gemm_sums(x, w, dy, route, keys)
   for gemm, (_, a, b) in route_lib.GEMMS.items():
-    deterministic = not (route.spec(a).needs_key or route.spec(b).needs_key)
+    roles = [a, b] + [f"fprop_{ROLE_SOURCES[r][0]}" for r in (a, b)  # a saved X or W: its fprop draws too
+                      if route.requantize_saved and gemm != "fprop" and ROLE_SOURCES[r][0] != "dy"]
+    deterministic = not any(route.spec(r).needs_key for r in roles)
     rows.append({"route": route.name, "kind": "gemm", "name": gemm,
                  **_gemm_metrics(sums[gemm], samples, deterministic)})
   return rows

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from bench.__main__ import main
-from fp4jax import diagnostics
+from fp4jax import Route, diagnostics
 from fp4jax.numerics.reference import dequantize, quantize
 from fp4jax.numerics.spec import OperandSpec
 from fp4jax.nn import RouteRules
@@ -204,3 +204,15 @@ def test_capture_linears_names_must_be_a_list(_tiny_llama):
   with pytest.raises(TypeError, match=r"names takes a list of module paths, got the string 'lm_head': use "
                                       r"\['lm_head'\]"):
     capture_linears(_tiny_llama, jnp.ones((1, 5), jnp.int32), names="lm_head")
+
+
+def test_saved_operands_drawn_at_random_are_not_deterministic():
+  """With requantize_saved the backward's X and W are re-quantized from the fprop's FP4 values: SR in the
+  forward makes dgrad and wgrad vary by key even where their own recipes are RNE."""
+  sr, rne = OperandSpec("mxfp4", rounding="sr"), OperandSpec("mxfp4")
+  route = Route("sr_fprop_saved", fprop_x=sr, fprop_w=sr, dgrad_dy=rne, dgrad_w=rne, wgrad_dy=rne, wgrad_x=rne,
+                requantize_saved=True)
+  x, w, dy = _case()
+  gemms = _rows(diagnostics.operand_report(x, w, dy, route, jax.random.key(1), samples=4), "gemm")
+  for name in ("fprop", "dgrad", "wgrad"):
+    assert not gemms[name]["deterministic"] and gemms[name]["spread"] > 0, (name, gemms[name])
