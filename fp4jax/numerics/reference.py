@@ -364,15 +364,19 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   """RNE-encodes `x` (shaped like `like.shape`) onto the scales and outer factor of an existing QTensor.
 
   v = x / (scale * outer) per block. Values that `like` represents come back as `like`'s own codes, whatever
-  rounding produced them; blocks whose scale is NaN get zero codes.
+  rounding produced them; blocks whose scale is NaN get zero codes, blocks whose scale is 0 (all-zero blocks)
+  signed zeros. `like` is a block-scaled (FP4) QTensor: an FP8 one has no scales to encode onto.
   """
+  if like.scales is None:
+    raise ValueError(f"encode_like encodes onto a block-scaled QTensor's scales; {like.fmt!r} has none")
   spec = like.spec
   xk = jnp.moveaxis(x.astype(jnp.float32), like.axis, -1)  # [..., n]
   lead, n = xk.shape[:-1], xk.shape[-1]
   scale = decode_scales(like.scales, spec)  # [..., nb]
   if like.outer is not None:
     scale = scale * (like.outer if like.outer.ndim == 0 else like.outer[..., None])
-  v = ieee.div(xk.reshape(*lead, n // spec.block, spec.block), scale[..., None])
+  xb = xk.reshape(*lead, n // spec.block, spec.block)
+  v = jnp.where(scale[..., None] == 0, jnp.copysign(jnp.float32(0), xb), ieee.div(xb, scale[..., None]))
   codes = jnp.where(jnp.isnan(scale)[..., None], jnp.uint8(0), e2m1_encode_rne(jnp.clip(v, -E2M1_MAX, E2M1_MAX)))
   return dataclasses.replace(like, codes=pack_codes(codes.reshape(*lead, n)))
 

@@ -234,6 +234,16 @@ def test_encode_like_reproduces_codes(fmt, options):
   np.testing.assert_array_equal(q2.codes, q.codes)
 
 
+def test_encode_like_zero_blocks_and_fp8():
+  """An all-zero block (scale 0) re-encodes to its own signed-zero codes, not NaN's; FP8 has no block scales."""
+  x = jnp.concatenate([jnp.zeros((2, 16)), -jnp.zeros((2, 16)), jnp.ones((2, 16))], 1)
+  for fmt in ("nvfp4", "mxfp4"):
+    q = ref.quantize(x if fmt == "nvfp4" else jnp.concatenate([x, x], 1), fmt)
+    np.testing.assert_array_equal(ref.encode_like(ref.dequantize(q), q).codes, q.codes, err_msg=fmt)
+  with pytest.raises(ValueError, match="encode_like .* 'fp8_e4m3' has none"):
+    ref.encode_like(x, ref.quantize(x, "fp8_e4m3"))
+
+
 @pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"],
                          ids=[c[0] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"])
 def test_quantize_dequantize_is_a_projection(fmt, options):
