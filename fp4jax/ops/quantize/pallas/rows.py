@@ -103,7 +103,8 @@ def on_row_shards(launch: Callable[[jax.Array, Rows], Sequence[Quantized]], x: j
     return jax.tree.leaves(tuple(launch(x_rows, Rows(first, rows, axes))))
 
   out_specs = [spec for q in local_views for spec in _specs(q, axes)]
-  # check_vma off: Pallas states its outputs without the varying axes that checking asks of them.
+  # check_vma off: in interpret mode the kernels decline under the check (`common.pallas_call`), and the
+  # launch here must run the kernel itself.
   parts = jax.shard_map(local, in_specs=P(axes, None), out_specs=out_specs, axis_names=set(axes),
                         check_vma=False)(x)
   assert len(parts) == len(leaves)
