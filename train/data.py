@@ -178,9 +178,13 @@ def read_documents(path: str) -> list[str]:
 _WORKER_TOKENIZER: tokenizers.Tokenizer | None = None
 
 
-def _init_worker(kind: str, path: str) -> None:
+def _init_worker(kind: str, path: str, pool: bool = True) -> None:
+  """The tokenizer of this process's `_tokenize_file` calls; a pool worker (`pool`) also dies with its parent.
+  The training process tokenizing by itself (one worker) must not: the request would outlive tokenizing, and a
+  run started from a shell or launcher that then exits was stopped by SIGTERM mid-training."""
   global _WORKER_TOKENIZER
-  _die_with_parent()
+  if pool:
+    _die_with_parent()
   _WORKER_TOKENIZER = tokenizers.get_tokenizer(kind, path)
 
 
@@ -217,7 +221,7 @@ def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: in
   the `if __name__ == "__main__":` guard (or data.workers=1).
   """
   if workers <= 1:
-    _init_worker(kind, tokenizer_path)
+    _init_worker(kind, tokenizer_path, pool=False)
     yield map(_tokenize_file, files)
     return
   ctx = multiprocessing.get_context("spawn")

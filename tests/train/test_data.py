@@ -291,6 +291,24 @@ def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_tokenizing_alone_leaves_the_process_alive_after_its_parent(tmp_path):
+  """With one worker (one source file, or data.workers=1) the training process tokenizes by itself: it must not
+  ask to die with its parent, or a run launched from a shell that then exits is stopped by SIGTERM."""
+  (tmp_path / "a.txt").write_text("hello world\n" * 50)
+  code = textwrap.dedent("""
+      import ctypes, sys
+      from train import data
+      data.build_token_cache([sys.argv[1]], "byte", "", sys.argv[2], log=None)
+      sig = ctypes.c_int(-1)
+      ctypes.CDLL(None).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+      print(sig.value)
+      """)
+  done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.txt"), str(tmp_path / "cache")],
+                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert done.returncode == 0 and done.stdout.split()[-1] == "0", (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
 def test_tokenizer_workers_die_with_a_killed_parent(tmp_path):
   """A parent killed while its pool tokenizes (SIGTERM's default action, a preemption: no cleanup runs) takes
   its workers along; they stayed behind, blocked writing results to a queue no one reads (`_die_with_parent`)."""
