@@ -87,17 +87,22 @@ def num_warps(value: str) -> int:
   return number
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-  """A type accepting integers >= `low` (a count of steps, layers or samples)."""
+def int_at_least(low: int, below: int | None = None) -> Callable[[str], int]:
+  """A type accepting integers >= `low` (a count of steps, layers or samples), and < `below` if given."""
   def parse(value: str) -> int:
     try:
       number = int(value)
     except ValueError:
       raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < low:
-      raise argparse.ArgumentTypeError(f"{number} must be >= {low}")
+    if number < low or (below is not None and number >= below):
+      raise argparse.ArgumentTypeError(f"{number} must be >= {low}" + ("" if below is None else f" and < {below}"))
     return number
   return parse
+
+
+# A random seed: what jax.random.key and NumPy's generators take (non-negative C longs), with room for the
+# seed + k that diagnose draws further inputs with.
+seed = int_at_least(0, 2**62)
 
 
 def shapes(value: str) -> list[tuple[int, int]]:

@@ -52,7 +52,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="--stress's linear shape (default: %(default)s)")
   parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16,
                       help="keys the GEMM bias is averaged over (default: 16)")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=args_lib.seed, default=0)
   parser.add_argument("--out", default=None, type=args_lib.out_dir,
                       help="directory for diagnose.json and diagnose.png (replaced)")
 

@@ -346,7 +346,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
   add_shape_args(p)
   p.add_argument("--warmup", type=args_lib.int_at_least(0), default=3)
   p.add_argument("--iters", type=args_lib.int_at_least(1), default=20)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=args_lib.seed, default=0)
   p.add_argument("--no-check", dest="check", action="store_false", help="skip the fp8 vs emulated check")
   p.add_argument("--no-gemm-rows", dest="gemm_rows", action="store_false",
                  help="time only bf16 dot and the fp4_dot rows (skip the pre-quantized GEMM rows)")

@@ -35,6 +35,7 @@ from fp4jax.ops.quantize.pallas.tiling import QuantTile
 from train.errors import UserError
 
 SHAPES = ((16384, 4096), (16384, 14336), (4096, 14336))
+SMOKE_SHAPES = ((128, 256),)  # --interpret's default: every variant's blocks and tiles, in seconds on a CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +277,9 @@ def _table(rows) -> str:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--shapes", type=args_lib.shapes, default=",".join(f"{m}x{k}" for m, k in SHAPES),
-                      help="comma-separated MxK list")
+  parser.add_argument("--shapes", type=args_lib.shapes, default=None,
+                      help=f"comma-separated MxK list (default: {','.join(f'{m}x{k}' for m, k in SHAPES)}; with "
+                           f"--interpret {','.join(f'{m}x{k}' for m, k in SMOKE_SHAPES)})")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant labels to run")
   parser.add_argument("--out", default=None, type=args_lib.out_dir,
                       help="directory for the JSON log and the table (files of those names replaced)")
@@ -285,7 +287,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  shapes = args.shapes
+  shapes = args.shapes or (SMOKE_SHAPES if args.interpret else SHAPES)
   wanted = args.variants.split(",")
   unknown = sorted(set(wanted) - set(VARIANTS))
   if unknown:

@@ -49,7 +49,7 @@ from bench import args as args_lib
 from bench import breakdown, dot, flax_fp8
 from fp4jax import Impl, compiling, platform
 from fp4jax.ops import gemm as gemm_lib
-from train import metrics, objective
+from train import build, metrics, objective
 from train.errors import UserError
 
 # Dense bf16 tensor-core peak by `device_kind` (NVIDIA datasheets, SXM parts, no sparsity).
@@ -312,6 +312,7 @@ def _check(args: argparse.Namespace) -> None:
           f"--microbatches {args.microbatches}", flush=True)
   if args.scan_saves != "outputs" and not args.scan:
     raise UserError("bench step: --scan-saves chooses what scanned blocks keep; add --scan (or --scan auto)")
+  build.check_impl(Impl(gemm=args.gemm), [r for r in args.routes if r != flax_fp8.NAME], "bench step: --gemm")
 
 
 def run(args: argparse.Namespace) -> None:

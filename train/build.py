@@ -130,22 +130,27 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
 
 
 def check_kernels(cfg: config_lib.Config, routes) -> None:
-  """Fails with a UserError if `kernels` asks for what this JAX backend cannot run, which fp4_dot would otherwise
-  find only when compiling: the Pallas kernels compiled for a GPU on another backend (`Impl.resolved`), or a GEMM
-  backend that cannot multiply the operands of one of `routes` (names or Routes: those the run's rules use; e.g.
-  `native` and the fp8 route), found by tracing one small fp4_dot forward and backward per route."""
+  """Fails with a UserError if `kernels` asks for what this JAX backend cannot run (`check_impl`)."""
+  check_impl(cfg.kernels.impl(), routes, "kernels")
+
+
+def check_impl(impl, routes, what: str) -> None:
+  """A UserError starting with `what` if `impl` asks for what this JAX backend cannot run, which fp4_dot would
+  otherwise find only when compiling: the Pallas kernels compiled for a GPU on another backend (`Impl.resolved`),
+  or a GEMM backend that cannot multiply the operands of one of `routes` (names or Routes: those the run's rules
+  use; e.g. `native` and the fp8 route, `mosaic` off a GPU), found by tracing one small fp4_dot forward and
+  backward per route, 256 wide at least (a size every backend tiles)."""
   from fp4jax import fp4_dot
   from fp4jax.dot import padding_multiples
-  impl = cfg.kernels.impl()
   try:
     impl.resolved()
     for route in sorted(routes, key=str):
-      m, k, n = (max(d, 128) for d in padding_multiples(route))
+      m, k, n = (max(d, 256) for d in padding_multiples(route))
       loss = lambda x, w: fp4_dot(x, w, route=route, key=jax.random.key(0), impl=impl).astype(jnp.float32).sum()
       jax.eval_shape(jax.grad(loss, argnums=(0, 1)), jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                      jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
   except ValueError as err:
-    raise UserError(f"kernels: {err}") from err
+    raise UserError(f"{what}: {err}") from err
 
 
 def route_rules(cfg: config_lib.Config, n_layers: int):

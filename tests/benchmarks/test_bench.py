@@ -107,6 +107,15 @@ def test_bench_quantize_interpret_new_variants(tmp_path, capsys):
   assert "fused sr/noclip+fp8" in table and "to_fp8 8x16w4" in table
   assert "MISMATCH" not in table and "FAILED" not in table
 
+
+def test_bench_quantize_interpret_is_a_small_smoke_run(capsys):
+  """--interpret without --shapes takes the small smoke shape (it kept the GPU's 16384-row shapes: minutes
+  per variant on a CPU)."""
+  assert main(["quantize", "--interpret", "--variants", "rne/ocp"]) == 0
+  table = capsys.readouterr().out
+  assert "128x256" in table and "16384x" not in table, table
+
+
 def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones(capsys):
   assert main(["quantize", "--interpret", "--variants", "rne/ocp,nv rne|rnee"]) == 2  # not 1: a failed check
   assert re.search(r"unknown variants \['nv rne\|rnee'\]", capsys.readouterr().err)
@@ -173,6 +182,9 @@ def test_cli_errors():
      "batch of 3 sequences does not split into --microbatches 2 equal passes"),
     (["step", "--preset", "tiny", "--tokens", "2x16", "--microbatches", "2", "--routes", "flax_fp8"],
      "flax_fp8 runs in one pass"),
+    pytest.param(["step", "--preset", "tiny", "--tokens", "2x32", "--gemm", "mosaic", "--routes", "bf16", "mxfp4"],
+                 "--gemm: the mosaic GEMM backend compiles for a Hopper GPU",  # it failed after bf16's row
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU backend runs it")),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
   """Input mistakes are a one-line error and exit status 2 (1 means a failed check), never a traceback."""
@@ -190,6 +202,8 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     (["quantize", "--shapes", "16384x4096,12y3"], "argument --shapes: '12y3' is not MxK"),
     (["step", "--iters", "0"], "argument --iters: 0 must be >= 1"),
     (["diagnose", "--samples", "two"], "argument --samples: 'two' is not an integer"),
+    (["diagnose", "--seed", "-1"], "argument --seed: -1 must be >= 0"),  # NumPy's traceback before
+    (["dot", "--seed", "99999999999999999999"], "argument --seed: 99999999999999999999 must be >= 0 and < "),
     (["compile", "--step", "tiny", "--scan", "all"], "argument --scan: takes no value .* or 'auto'"),
     (["step", "--tokens", "4096x65536"], "argument --tokens: 4096x65536: 268,435,456 is more than the 4,194,304"),
     (["triton", "--num-warps", "3"], "argument --num-warps: 3 is not a power of two from 1 to 32"),

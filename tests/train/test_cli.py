@@ -7,9 +7,11 @@ import textwrap
 
 import jax
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import cpu_devices
-from train import data
+from fp4jax import Impl
+from train import build, data
 from train.main import EXIT_USER_ERROR, main
 
 
@@ -61,9 +63,20 @@ def _args(tmp_path, *sets: str) -> list[str]:
      "kernels: GEMM backend 'native' does not support a.fmt='fp8_e4m3'"),
     (["run.routes=[bf16]", "rules.extra=[layers\\.0\\..*=fp8]", "kernels.gemm=native"],  # a rule's route too
      "kernels: GEMM backend 'native' does not support a.fmt='fp8_e4m3'"),
+    pytest.param(["route=mxfp4", "run.routes=[]", "kernels.gemm=mosaic"],
+                 "kernels: the mosaic GEMM backend compiles for a Hopper GPU",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU backend runs it")),
 ])
 def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_data_work, sets, match):
   assert match in _error_line(capsys, _args(tmp_path, *sets))
+
+
+def test_kernel_check_passes_the_mosaic_gemm_for_an_h200():
+  """The check traces fp4_dot at sizes every GEMM backend tiles: the mosaic backend's CTA tiles need a side of
+  256, and the check's 128-wide product refused `kernels.gemm: mosaic` on the GPUs it is for."""
+  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  with use_abstract_mesh(mesh):
+    build.check_impl(Impl(gemm="mosaic"), ["mxfp4", "bf16"], "kernels")
 
 
 def test_config_file_mistakes(tmp_path, capsys):
