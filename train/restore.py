@@ -12,10 +12,11 @@ import os
 import sys
 from typing import Any, TextIO
 
+import jax
 import numpy as np
 from flax import nnx
 
-from train import build, checkpoint, data
+from train import build, checkpoint, data, tokenizers
 from train import config as config_lib
 from train import train
 from train.errors import UserError
@@ -70,8 +71,10 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   if not checkpoint.saved_steps(ckpt_dir):
     raise UserError(f"{run_dir} has no checkpoint under ckpt/: the run has not saved one yet (run.ckpt_every, or "
                     f"its last step)")
-  tok = build.preflight(cfg)
-  ts = train.init_train_state(saved, tok.vocab_size, build.check_mesh(saved))
+  tok = tokenizers.get_tokenizer(saved.data.tokenizer, saved.data.tokenizer_path)
+  # One device, whatever mesh the run trained on (checkpoints restore across meshes); none of the training-only
+  # checks (`build.preflight`): they judged the training machine's devices and made the run's own run.out_dir.
+  ts = train.init_train_state(saved, tok.vocab_size, build.make_mesh((1, 1), jax.devices()[:1]))
   ckpt = checkpoint.Checkpointer(ckpt_dir, log=log)
   try:
     ts.state, _, step = ckpt.restore(ts.state, alternative=train.checkpoint_alternative(ts))

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from bench.__main__ import main as bench_main
 from train import build, config, restore, train
@@ -51,6 +52,21 @@ def test_load_restores_the_trained_weights_in_any_form(run_dir):
   assert not np.array_equal(init_down, _kernels(trained.model)[0])
   batch = trained.heldout_batch(2, log=None)
   assert batch.shape == (2, trained.config.data.seq_len + 1) and batch.dtype == np.int32
+
+
+def test_load_on_other_devices_leaves_the_recorded_out_dir_alone(run_dir, tmp_path, monkeypatch):
+  """A run copied elsewhere, trained on a mesh of 4 devices, loads on this one device without touching the
+  out_dir its config records (it used to be refused for the mesh, and that out_dir made or refused)."""
+  moved = tmp_path / "moved"
+  os.makedirs(moved)
+  os.symlink(os.path.join(run_dir, "ckpt"), moved / "ckpt")
+  recorded = config.read_yaml(os.path.join(run_dir, "config.yaml"))
+  recorded["run"].update(mesh=[2, 2], out_dir="runs/elsewhere")
+  (moved / "config.yaml").write_text(yaml.safe_dump(recorded, sort_keys=False))
+  monkeypatch.chdir(tmp_path)
+  trained = restore.load(str(moved))
+  assert trained.step == 3 and not (tmp_path / "runs").exists()
+  jax.tree.map(np.testing.assert_array_equal, _kernels(trained.model), _kernels(restore.load(run_dir).model))
 
 
 def test_load_refuses_what_is_not_a_finished_run(run_dir, tmp_path):
