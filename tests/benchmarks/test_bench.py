@@ -128,7 +128,7 @@ def test_step_with_microbatches_leaves_flax_fp8_out_of_its_default_routes(capsys
   """Flax's FP8 op runs in one pass: with --microbatches the default routes go on without it (said so), where it
   stopped the run with a usage error after the routes before it had run."""
   args = argparse.Namespace(tokens=(4, 16), microbatches=2, routes=list(step.DEFAULT_ROUTES), scan=False,
-                            scan_saves="outputs")
+                            scan_saves="outputs", gemm="auto")
   step._check(args)
   assert args.routes == [r for r in step.DEFAULT_ROUTES if r != "flax_fp8"]
   assert "flax_fp8 left out of the default routes" in capsys.readouterr().out
