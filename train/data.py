@@ -96,10 +96,11 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
       raise UserError(f"{where}: {what} is empty; fill it or remove it from {where}")
     for p in found:
       _opener(p)
-      if os.path.realpath(p) not in files:
+      real = os.path.realpath(p)
+      if real not in files:
         if s != "stdlib":
           _check_text(p)
-        files[os.path.realpath(p)] = p
+        files[real] = p
   return list(files.values())
 
 

@@ -5,9 +5,9 @@ pytree; `train_step(state, batch, step)` merges them inside `jax.jit`, takes the
 `nnx.value_and_grad` (in `data.microbatches` sequential passes: `objective.loss_and_grads`), applies
 `optimizer.update` and returns the new state; the eval step runs its batch in the same passes
 (`objective.eval_loss`). The input state is donated (`donate_argnums=0`), so parameters and Adam moments are
-updated in place. The state is created directly
-with its shardings (`jax.jit(init, out_shardings=...)`), from the `nnx.with_partitioning` metadata the
-model puts on its params (mesh axes ("data", "fsdp")); batches are sharded over both axes.
+updated in place. The state is created directly with its shardings (`jax.jit(init, out_shardings=...)`), from
+the `nnx.with_partitioning` metadata the model puts on its params (mesh axes ("data", "fsdp")); batches are
+sharded over both axes.
 
 Randomness: the step key is `fold_in(key(seed), step)`, so a resumed run replays exactly the keys of an
 uninterrupted one; the data position is checkpointed with the state.
