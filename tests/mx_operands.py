@@ -52,7 +52,8 @@ def fp8_sum_bound(absprod: np.ndarray, k: int) -> np.ndarray:
 
   Where the default backend is a CPU, XLA sums in float32 (`float32_sum_bound`). On a GPU, FP8 tensor cores
   (cuBLASLt's fast accumulation, WGMMA) keep fewer bits in their sums (about 14: DeepSeek-V3, section 3.3.2);
-  at these tests' shapes (K <= 256) the error stayed within 2^-9 |A| |B|^T on an H100 (docs/BENCHMARKS.md)."""
+  2^-9 |A| |B|^T is the bound the mosaic GEMM's GPU test held to on an H100 at its shape (docs/BENCHMARKS.md);
+  the cuBLASLt tests that also take it have not run on a GPU since (docs/BENCHMARKS.md, 2026-12-05, 19:34)."""
   if jax.default_backend() == "gpu":
     return 2.0**-9 * absprod
   return float32_sum_bound(absprod, k)
