@@ -453,8 +453,8 @@ def changed_settings(saved: dict[str, Any], now: dict[str, Any], *, also_neutral
 def replace(cfg: Config, **sections: Any) -> Config:
   """`replace(cfg, route="mxfp4", run={"out_dir": ...})`: a copy with fields or section fields replaced."""
   updates = {}
-  for name, val in sections.items():
+  for name, v in sections.items():
     cur = getattr(cfg, name)
-    updates[name] = dataclasses.replace(cur, **val) if isinstance(val, dict) and dataclasses.is_dataclass(cur) else val
+    updates[name] = dataclasses.replace(cur, **v) if isinstance(v, dict) and dataclasses.is_dataclass(cur) else v
   return dataclasses.replace(cfg, **updates)
 
