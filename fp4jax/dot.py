@@ -50,7 +50,7 @@ from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FORMATS
 from fp4jax.numerics.qtensor import QTensor, Quantized, pack_codes
 from fp4jax.numerics.values import dequantize
-from fp4jax.numerics.spec import OperandKeys, OperandSpec
+from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_x64
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated
 from fp4jax.ops.quantize import api as quantize_api
@@ -250,14 +250,6 @@ def check_out_dtype(out_dtype, what: str) -> np.dtype:
                      f"got {out_dtype!r}")
   check_x64(dtype, what)
   return np.dtype(dtype)
-
-
-def check_x64(dtype: np.dtype, what: str) -> None:
-  """A ValueError starting with `what` if JAX would hold `dtype` as another one: float64 (or int64) without
-  jax_enable_x64, which JAX silently truncates to 32 bits."""
-  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-    raise ValueError(f"{what}{dtype} needs jax_enable_x64 (JAX would truncate it to "
-                     f"{jax.dtypes.canonicalize_dtype(dtype)})")
 
 
 def _vary_alike(x: jax.Array, w: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -20,9 +20,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import route as route_lib
-from fp4jax.dot import check_out_dtype, check_x64, fp4_dot, padding_multiples
+from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
+from fp4jax.numerics.spec import check_x64
 from fp4jax.route import Route
 
 Initializer = Callable[..., jax.Array]

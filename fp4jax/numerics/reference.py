@@ -57,7 +57,7 @@ from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr,
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, MX_E_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.quantize_args import Cfg as _Cfg, check as _check
-from fp4jax.numerics.spec import EDEN_GROUP
+from fp4jax.numerics.spec import EDEN_GROUP, check_x64
 
 _E8M0_NAN = 0xFF
 _E4M3_NAN = 0x7F
@@ -394,12 +394,14 @@ def decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   """The values a QTensor stands for, in the original shape, as `dtype`: element(code) * scale * outer (FP8: no
   block scale), each product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`). `dtype`: a
-  floating-point dtype (an integer one would truncate the values)."""
+  floating-point dtype (an integer one would truncate the values; float64 needs jax_enable_x64, without which JAX
+  would return float32)."""
   if not isinstance(q, QTensor):
     what = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
     raise TypeError(f"dequantize takes a QTensor (from quantize), got {what}")
   if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
     raise ValueError(f"dequantize's dtype must be a floating-point dtype, got {jnp.dtype(dtype)}")
+  check_x64(jnp.dtype(dtype), "dequantize's dtype=")
   spec, vals = q.spec, q.element_values()  # [..., n]
   *lead, n = vals.shape
   if q.scales is not None:  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it

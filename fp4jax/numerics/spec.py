@@ -68,6 +68,14 @@ def check_clip_fraction_type(value, prefix: str = "") -> None:
     raise TypeError(f"{prefix}clip_fraction takes a number in (0, 1] or None, got {value!r}")
 
 
+def check_x64(dtype: np.dtype, what: str) -> None:
+  """A ValueError starting with `what` if JAX would hold `dtype` as another one: float64 (or int64) without
+  jax_enable_x64, which JAX silently truncates to 32 bits."""
+  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    raise ValueError(f"{what}{dtype} needs jax_enable_x64 (JAX would truncate it to "
+                     f"{jax.dtypes.canonicalize_dtype(dtype)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class OperandSpec:
   """How one GEMM operand is quantized along the GEMM's contraction axis.
