@@ -346,6 +346,18 @@ def test_rope_scaling_fields_are_checked_and_numpy_scalars_stored_as_python_numb
   config = dataclasses.replace(TINY, dim=np.int64(64), rope_theta=np.float32(1e4))
   assert type(config.dim) is int and type(config.rope_theta) is float and config == TINY
 
+
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="float64 is float64 with jax_enable_x64")
+@pytest.mark.parametrize("kwarg", ["param_dtype", "dtype"])
+def test_a_float64_dtype_without_x64_is_refused_before_anything_is_built(kwarg, monkeypatch):
+  """The blocks' FP4Linears refused it, but only after the [vocab, dim] embedding was built: slow at a large
+  vocab."""
+  monkeypatch.setattr(nnx, "Embed", lambda *a, **k: pytest.fail("built the embedding before checking the dtypes"))
+  rules = RouteRules.standard("bf16", n_layers=TINY.n_layers)
+  with pytest.raises(ValueError, match=rf"^Llama's {kwarg}=float64 needs jax_enable_x64 \(JAX would truncate it "):
+    Llama(TINY, rules=rules, rngs=nnx.Rngs(0), **{kwarg: jnp.float64})
+
+
 @pytest.mark.parametrize("route, groups, saves", [("bf16", [range(0, 4)], "outputs"),
                                                   ("bf16", [range(0, 4)], "operands"),
                                                   ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)], "outputs")])

@@ -104,6 +104,9 @@ class Llama(nnx.Module):
                scan_policy: SavePolicy = SCAN_SAVES):
     if scan_layers not in (True, False, "auto"):
       raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
+    # Before anything is built: the blocks' FP4Linears would refuse them only after the [V, D] embedding.
+    linear.check_param_dtype(param_dtype, "Llama's param_dtype=")
+    dot.check_out_dtype(dtype, "Llama's dtype=")
     rules.check_depth(config.n_layers)
     self.config = config
     self.scan_policy = scan_policy
