@@ -101,10 +101,11 @@ def check_param_sharding(cfg: config_lib.Config, lcfg, mesh: Mesh) -> None:
                   + f"model.overrides whose sharded sizes are multiples of {split}")
 
 
-def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
+def preflight(cfg: config_lib.Config) -> tuple[list[str], list[str]]:
   """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
   the tokenizer loads, the model and route rules build, the mesh fits the devices, the batch and every sharded
-  parameter dimension, and every data source names files, none both a train and a held-out one.
+  parameter dimension, and every data source names text files, none both a train and a held-out one. Returns
+  those files (`data.resolve_data`), for `data.load_splits`.
   (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
@@ -116,7 +117,7 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
   mesh = check_mesh(cfg)
   for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
     check_param_sharding(sub, lcfg, mesh)
-  data.resolve_data(cfg.data)
+  files = data.resolve_data(cfg.data)
   for what, path in (("run.out_dir", cfg.run.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
     check_writable_dir(path, what)
   for name, sub in route_configs(cfg) if cfg.run.routes else ():  # compare mode's out_dir/<route>
@@ -126,7 +127,7 @@ def preflight(cfg: config_lib.Config) -> tokenizers.Tokenizer:
     if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
       raise UserError(f"{ckpt!r} is not a directory, where the run keeps its checkpoints: move it away or choose "
                       f"another run.out_dir")
-  return tok
+  return files
 
 
 def check_kernels(cfg: config_lib.Config, routes) -> None:

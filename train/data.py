@@ -433,15 +433,17 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: i
                     for s in (b * batch_size + np.arange(batch_size)) * seq_len]) for b in range(n)]
 
 
-def load_splits(data_cfg, *, log=sys.stderr) -> tuple[np.ndarray, np.ndarray, tokenizers.Tokenizer]:
-  """(train tokens, held-out tokens, tokenizer) for a `DataConfig`."""
+def load_splits(data_cfg, *, files: tuple[list[str], list[str]] | None = None,
+                log=sys.stderr) -> tuple[np.ndarray, np.ndarray, tokenizers.Tokenizer]:
+  """(train tokens, held-out tokens, tokenizer) for a `DataConfig`. `files`: its `resolve_data`, where the caller
+  has it already (`train.build.preflight`: resolving reads the head of every source file); None resolves here."""
   tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path)
 
   def cached(files):
     return build_token_cache(files, data_cfg.tokenizer, data_cfg.tokenizer_path, data_cfg.cache_dir,
                              workers=data_cfg.workers, log=log)
 
-  files, heldout_files = resolve_data(data_cfg)
+  files, heldout_files = resolve_data(data_cfg) if files is None else files
   tokens = cached(files)
   if heldout_files:
     return tokens, cached(heldout_files), tok

@@ -310,7 +310,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`).
   """
   log = sys.stderr if log is None else log
-  build.preflight(cfg)
+  files = build.preflight(cfg)
   with contextlib.ExitStack() as held:
     if jax.process_index() == 0:
       for out_dir in dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in build.route_configs(cfg)]):
@@ -319,13 +319,13 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
     metrics.check_layout(cfg.run.out_dir, compare=bool(cfg.run.routes), route=cfg.route)
     for _, sub in build.route_configs(cfg):
       check_out_dir(sub)
-    return _run_routes(cfg, log)
+    return _run_routes(cfg, files, log)
 
 
-def _run_routes(cfg: config_lib.Config, log) -> list[dict[str, Any]]:
+def _run_routes(cfg: config_lib.Config, files: tuple[list[str], list[str]], log) -> list[dict[str, Any]]:
   compare = bool(cfg.run.routes)
   routes = cfg.run.routes or (cfg.route,)
-  train_tokens, eval_tokens, tok = data.load_splits(cfg.data, log=log)
+  train_tokens, eval_tokens, tok = data.load_splits(cfg.data, files=files, log=log)
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
   short = data.short_heldout(len(eval_tokens), cfg.data, cfg.run.eval_batches)

@@ -330,6 +330,29 @@ def test_fewer_held_out_batches_than_asked_are_said_and_recorded(tmp_path, capsy
   assert json.load(open(os.path.join(cfg.run.out_dir, train.RESULT_FILE)))["eval_batches"] == 9
 
 
+def test_a_run_checks_the_head_of_each_source_file_once(tmp_path, monkeypatch):
+  """The preflight's resolution of the sources (globs, the head of every file checked to be text) was done again
+  by load_splits: twice per run. The preflight's result is what the run loads."""
+  cfg = _corpus_cfg(tmp_path)
+  (tmp_path / "heldout.txt").write_bytes(TEXT[:4000])
+  cfg = config.replace(cfg, data={"eval_sources": (str(tmp_path / "heldout.txt"),)})
+  checked = []
+  check_text = data._check_text
+  monkeypatch.setattr(data, "_check_text", lambda path: (checked.append(path), check_text(path)))
+
+  class Tokenizing(Exception):
+    pass
+
+  def tokenizing(files, *args, **kwargs):
+    raise Tokenizing(files)
+
+  monkeypatch.setattr(data, "build_token_cache", tokenizing)
+  with pytest.raises(Tokenizing) as stopped:
+    train.run_all(cfg)
+  assert sorted(checked) == sorted([*cfg.data.sources, *cfg.data.eval_sources])
+  assert stopped.value.args == (list(cfg.data.sources),)
+
+
 def test_step_memory_is_the_compiled_steps_plan():
   """XLA's plan of the step (arguments + outputs + temporaries - donated), whatever ran before in the process, or
   the eval step's where that is larger; the process's peak (named so) where no train step was compiled."""
