@@ -60,7 +60,7 @@ def quantize(x: jax.Array, spec: FormatSpec, axis: int, *, rounding: str = "rne"
     raise ValueError(f"fmt={spec.name!r} scales per tensor: it takes rounding='rne' and no 2-D tiles, got "
                      f"{rounding=}, {tile_2d=}")
   element = spec.element_spec
-  xk = jnp.moveaxis(x.astype(jnp.float32), axis, -1)  # [..., n]
+  xk = jnp.moveaxis(ieee.to_float32(x), axis, -1)  # [..., n]
   if tensor_amax is None:
     amax = jnp.max(jnp.abs(xk), initial=0.0)
     amax = jnp.where(jnp.all(jnp.isfinite(xk)), amax, jnp.nan)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.numerics import prng
+from fp4jax.numerics import ieee, prng
 
 D16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -128,7 +128,7 @@ def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None =
     raise ValueError(f"Hadamard {kind=}: axis length {length} (x.shape={x.shape}, {axis=}) must be a multiple "
                      f"of {n}")
   signs = hadamard_signs(kind, key)  # [n]
-  xk = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  xk = jnp.moveaxis(ieee.to_float32(x), axis, -1)
   xb = xk.reshape(*xk.shape[:-1], length // n, n)  # [..., blocks, n]
   scale = jnp.float32(1 / math.sqrt(n))
   yb = fwht(xb) * scale * signs if inverse else fwht(xb * signs) * scale

@@ -26,6 +26,16 @@ _TINY = 2.0**-126  # the smallest normal float32
 _SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-149
 
 
+def to_float32(x: jax.Array) -> jax.Array:
+  """x as float32, the quantizers' working precision. A float64 x (jax_enable_x64) is rounded once; its finite
+  values beyond float32's range saturate to +-3.4028235e38, where the cast alone would make them inf and their
+  blocks NaN (inf and NaN stay). Narrower float dtypes convert exactly."""
+  if x.dtype == jnp.float64:
+    top = jnp.float64(np.finfo(np.float32).max)
+    x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
+  return x.astype(jnp.float32)
+
+
 def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False, normal_result: bool = False) -> jax.Array:
   """a / b in float32, rounded to nearest even as IEEE 754 specifies (subnormal results included). Broadcasts
   like `/`; NaN, infinities and zeros follow IEEE 754.

@@ -319,7 +319,10 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
   """Quantizes `x` to FP4 along `axis` (see the module docstring and docs/NUMERICS.md).
 
   Args:
-    x: floating-point array (bf16 / f16 / f32), any rank; `x.shape[axis]` a multiple of the format's block.
+    x: floating-point array (bf16 / f16 / f32; f64 under jax_enable_x64), any rank; `x.shape[axis]` a multiple
+      of the format's block. Computed in float32 (`ieee.to_float32`): a float64 x is rounded to float32 first, its
+      finite values beyond float32's range saturating, so a value within float32's rounding of an FP4 rounding
+      boundary rounds as its float32 neighbour does.
     fmt: a key of `fp4jax.numerics.formats.FORMATS` (the FP8 ones: `numerics.current_scaling`, rounding "rne" only).
     axis: the quantized (contraction) axis; it becomes the last axis of the K-major result.
     rounding: "rne", "sr" (stochastic; needs `key`) or "eden" (MS-EDEN, fmt "nvfp4", input already rotated,
@@ -343,7 +346,7 @@ def quantize(x: jax.Array, fmt: str = "mxfp4", *, axis: int = -1, rounding: str 
   cfg = _check(x, spec, axis, rounding, key, scale_rule, tile_2d, clip_fraction, tile_rows, tensor_amax)
   if not spec.block_scaled:  # FP8, one factor per tensor (`numerics.current_scaling`)
     return current_scaling.quantize(x, spec, cfg.axis, rounding=rounding, tile_2d=tile_2d, tensor_amax=tensor_amax)
-  xk = jnp.moveaxis(x.astype(jnp.float32), cfg.axis, -1)  # [..., n]
+  xk = jnp.moveaxis(ieee.to_float32(x), cfg.axis, -1)  # [..., n]
   lead, n = xk.shape[:-1], xk.shape[-1]
   xb = xk.reshape(*lead, n // spec.block, spec.block)  # [..., nb, B]
   u = None
@@ -370,7 +373,7 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   if like.scales is None:
     raise ValueError(f"encode_like encodes onto a block-scaled QTensor's scales; {like.fmt!r} has none")
   spec = like.spec
-  xk = jnp.moveaxis(x.astype(jnp.float32), like.axis, -1)  # [..., n]
+  xk = jnp.moveaxis(ieee.to_float32(x), like.axis, -1)  # [..., n]
   lead, n = xk.shape[:-1], xk.shape[-1]
   scale = decode_scales(like.scales, spec)  # [..., nb]
   if like.outer is not None:

@@ -507,3 +507,23 @@ def test_a_given_tensor_amax_that_is_no_finite_magnitude_makes_the_tensor_nan(fm
     assert np.isnan(np.asarray(q.scales, np.float32)).all()
     assert not np.asarray(q.codes).any()
   assert np.isnan(np.asarray(ref.dequantize(q))).all()
+
+
+@pytest.mark.parametrize("fmt,rounding", [("mxfp4", "rne"), ("mxfp4", "sr"), ("nvfp4", "rne")])
+def test_float64_input_saturates_into_float32(fmt, rounding):
+  """Under jax_enable_x64 a float64 x is quantized as float32 with its finite values beyond float32's range
+  saturated (the bits of the clipped float32 input, finite values back): the plain cast made 3e300 inf and its
+  block NaN. An infinite element still makes its block (NVFP4: its tensor) NaN."""
+  top = np.finfo(np.float32).max
+  x = np.array([[3e300, 1.0, -5e39] + [0.5] * 29, [2.0] + [1.0] * 31])
+  key = jax.random.key(0) if rounding == "sr" else None
+  with jax.enable_x64(True):
+    got = ref.quantize(jnp.asarray(x, jnp.float64), fmt, rounding=rounding, key=key)
+    values = np.asarray(ref.dequantize(got))
+    inf = np.asarray(ref.dequantize(ref.quantize(jnp.asarray(np.where(x == 1.0, np.inf, x), jnp.float64), fmt,
+                                                 rounding=rounding, key=key)))
+  want = ref.quantize(jnp.asarray(np.clip(x, -top, top), jnp.float32), fmt, rounding=rounding, key=key)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.isfinite(values).all() and values[0, 0] > 1e38 and values[0, 2] < -1e38
+  assert np.isnan(inf).all()

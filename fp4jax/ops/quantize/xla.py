@@ -8,9 +8,8 @@ column view is the row view transposed. Every other recipe quantizes each view o
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from fp4jax.numerics import current_scaling
+from fp4jax.numerics import current_scaling, ieee
 from fp4jax.numerics.formats import FORMATS
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.qtensor import QTensor
@@ -21,7 +20,7 @@ from fp4jax.numerics.spec import OperandKeys, OperandSpec
 def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys) -> QTensor:
   """`quantize(hadamard(x, spec.transform, axis=axis, key=keys.transform), spec.fmt, axis=axis, ...)`."""
   if spec.transform is not None:
-    x = hadamard(x.astype(jnp.float32), spec.transform, axis=axis, key=keys.transform)
+    x = hadamard(ieee.to_float32(x), spec.transform, axis=axis, key=keys.transform)
   return quantize(x, spec.fmt, axis=axis, rounding=spec.rounding, key=keys.rounding, scale_rule=spec.scale_rule,
                   tile_2d=spec.tile_2d, clip_fraction=spec.clip_fraction)
 
