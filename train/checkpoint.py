@@ -39,11 +39,18 @@ class Alternative(NamedTuple):
 
 
 def saved_steps(directory: str) -> list[int]:
-  """The finished checkpoint steps under `directory`, ascending, read from the directory names alone (Orbax writes
-  a step under a temporary name and renames it when complete)."""
+  """The finished checkpoint steps under `directory`, ascending, read from the directory names (Orbax writes a step
+  under a temporary name and renames it when complete). A step folder that holds no file is no checkpoint (made by
+  hand, or by a save that never wrote): left out here, it is judged, like other damage, when a run restores
+  (`Checkpointer.restore` sets it aside)."""
   if not os.path.isdir(directory):
     return []
-  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and _holds_files(os.path.join(directory, n)))
+
+
+def _holds_files(path: str) -> bool:
+  """Whether directory `path` holds a file, at any depth (a checkpoint holds several at its top)."""
+  return any(files for _, _, files in os.walk(path))
 
 
 @jax.jit
@@ -92,9 +99,9 @@ def state_digest(state_dict: Any) -> tuple[str, bool]:
 class Checkpointer:
   """`save(step, state, data_state)` / `restore(state) -> (state, data_state, step)` under `directory`."""
 
-  def __init__(self, directory: str, *, max_to_keep: int = 2, log: TextIO = sys.stderr):
+  def __init__(self, directory: str, *, max_to_keep: int = 2, log: TextIO | None = None):
     self.directory = os.path.abspath(directory)
-    self.log = log
+    self.log = sys.stderr if log is None else log  # the stderr of now, not of the import
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
@@ -112,6 +119,8 @@ class Checkpointer:
 
   def _problem(self, target: Any, step: int) -> tuple[str | None, Any]:
     """(None, restored items) for an intact step, else (what is wrong with it, None)."""
+    if not _holds_files(os.path.join(self.directory, str(step))):
+      return "its folder holds no file (a save that never wrote, or a folder made by hand)", None
     try:
       out = self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))

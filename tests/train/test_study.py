@@ -267,6 +267,7 @@ def test_a_finished_scratch_run_without_its_record_trains_again(tmp_path, monkey
   out = scratch / "mxfp4_last1-seed0"
   (out / train.RESULT_FILE).unlink()  # cut short at step 2, its config.yaml this run's: resumed
   (out / "ckpt" / "2").mkdir(parents=True)
+  (out / "ckpt" / "2" / "_CHECKPOINT_METADATA").write_text("{}")  # a folder holding no file is no checkpoint
   (results / "runs" / "bf16-seed0.json").unlink()  # recorded with log_every 2, which would stop the calls below
   assert study.main(["--config", path, "--only", "mxfp4_last1"]) == 0
   assert calls[3:] == ["mxfp4_last1-seed0"] and os.listdir(out / "ckpt") == ["2"]

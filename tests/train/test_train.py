@@ -123,6 +123,26 @@ def test_a_finished_run_whose_checkpoints_were_deleted_reports_its_result(tmp_pa
   assert not os.path.exists(ckpt)  # nothing trained
 
 
+def test_an_empty_step_folder_is_set_aside_like_other_damaged_steps(tmp_path, capsys):
+  """A step folder that holds no file (made by hand, or by a save that never wrote) is a damaged step wherever its
+  number lies: set aside with a warning and the newest intact step resumed. Past run.steps, it stopped the run as
+  a checkpoint of a longer run before."""
+  cfg = tiny_cfg(tmp_path, "run.steps=4", "run.ckpt_every=2")
+  full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  ckpt = os.path.join(cfg.run.out_dir, "ckpt")
+  shutil.rmtree(os.path.join(ckpt, "4"))
+  os.remove(os.path.join(cfg.run.out_dir, train.RESULT_FILE))
+  for step in ("3", "9"):  # at or below run.steps, and past it
+    os.makedirs(os.path.join(ckpt, step))
+  capsys.readouterr()
+  resumed = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  assert resumed["losses"] == {s: full["losses"][s] for s in (3, 4)}
+  err = capsys.readouterr().err
+  assert f"checkpoint step 9 in {ckpt} is damaged: its folder holds no file" in err
+  assert sorted(n.split("-")[0] for n in os.listdir(ckpt + "-damaged")) == ["3", "9"]  # kept, not deleted
+  assert checkpoint.saved_steps(ckpt) == [2, 4]
+
+
 def test_fresh_start_sets_an_earlier_runs_outputs_aside(tmp_path, capsys):
   """A run that left no checkpoint (ckpt_every 0, stopped early) is not continued: its log moves to
   previous-<time>/ instead of mixing into the new run's curve, and nothing of it is deleted."""
