@@ -13,7 +13,10 @@ damage. `restore` then falls back to the newest intact step with a warning, movi
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 import sys
 import time
@@ -27,6 +30,29 @@ from flax import nnx
 from train.errors import UserError
 
 DIGEST_KEY = "state_digest"
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota: freeing space lets the run go on
+
+
+def _full_disk(err: BaseException | None) -> int | None:
+  """The errno of a full disk that `err`, or an error it was raised from, reports; else None. Python's writes
+  raise an OSError; TensorStore's (the arrays) a ValueError that names the code, "[os_error_code='28']"."""
+  while err is not None:
+    for code in _FULL:
+      if (isinstance(err, OSError) and err.errno == code) or f"[os_error_code='{code}']" in str(err):
+        return code
+    err = err.__cause__
+  return None
+
+
+class _DropFullDiskLogs(logging.Filter):
+  """Orbax's writer threads log each error with its traceback before it reaches `save` or `close`; a full disk's,
+  which those report in one line (`Checkpointer._writing`), are dropped: pages of the same error."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and _full_disk(record.exc_info[1]))
+
+
+_DROP_FULL_DISK_LOGS = _DropFullDiskLogs()
 
 
 class Alternative(NamedTuple):
@@ -105,6 +131,7 @@ class Checkpointer:
     self._mgr = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+    logging.getLogger("absl").addFilter(_DROP_FULL_DISK_LOGS)  # once: the same filter is not added twice
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -114,8 +141,29 @@ class Checkpointer:
     the writer serializes it later, and the caller may keep changing what it holds (the open loss window)."""
     pure = nnx.to_pure_dict(state)
     data_state = json.loads(json.dumps({**data_state, DIGEST_KEY: state_digest(pure)[0]}))
-    self._mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(pure), data=ocp.args.JsonSave(data_state)))
+    with self._writing():
+      self._mgr.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(pure), data=ocp.args.JsonSave(data_state)))
+
+  @contextlib.contextmanager
+  def _writing(self):
+    """Turns a full disk while a step is written (it surfaces in `save`, which waits for the step before, or in
+    `wait`/`close`) into a UserError naming the directory and the steps kept; any other error passes unchanged.
+    Orbax writes a step under a temporary name and renames it once complete, and drops the oldest step only then:
+    the finished steps stay intact, and a run of the same command resumes the newest."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except  # only a full disk's is turned into a UserError
+      code = _full_disk(e)
+      if code is None:
+        raise
+      with contextlib.suppress(Exception):  # another step still in flight: finished (or failed) before the list
+        self._mgr.wait_until_finished()
+      steps = saved_steps(self.directory)
+      kept = (f"the finished steps there ({', '.join(map(str, steps))}) are kept: free space and run the same "
+              f"command again to resume from step {steps[-1]}" if steps else
+              "no step was finished there: free space and run the same command again to train from the start")
+      raise UserError(f"cannot write a checkpoint to {self.directory}: {os.strerror(code).lower()}; {kept}") from e
 
   def _problem(self, target: Any, step: int) -> tuple[str | None, Any]:
     """(None, restored items) for an intact step, else (what is wrong with it, None)."""
@@ -205,8 +253,10 @@ class Checkpointer:
     self._mgr.reload()
 
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    with self._writing():
+      self._mgr.wait_until_finished()
 
   def close(self) -> None:
-    self._mgr.wait_until_finished()
+    with self._writing():
+      self._mgr.wait_until_finished()
     self._mgr.close()

@@ -1,4 +1,5 @@
-"""The one exception type for mistakes the user can fix: a config value, a data path, a busy or damaged run dir.
+"""The one exception type for problems the user can fix: a config value, a data path, a busy or damaged run dir, a
+full disk.
 
 `python -m train` prints a UserError as one line (what is wrong and how to fix it) and exits with status 2;
 any other exception is a bug and keeps its traceback. `--debug` shows the traceback of a UserError too.

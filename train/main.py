@@ -1,9 +1,10 @@
 """`python -m train --config configs/cpu_compare.yaml [--set section.key=value ...] [--debug]`.
 
 Exit status: 0 when every route trained (or was already finished), 1 when a route diverged or failed, 2 for a
-mistake in the config, the data or the run directory (printed as one line; `--debug` adds its traceback), 128 +
-the signal's number when SIGINT (130) or SIGTERM (143) stopped the run: after saving a checkpoint where a route
-was training (`train.interrupt`; the same command resumes it), at once before that.
+mistake in the config, the data or the run directory, or a disk too full for a checkpoint (printed as one line;
+`--debug` adds its traceback), 128 + the signal's number when SIGINT (130) or SIGTERM (143) stopped the run: after
+saving a checkpoint where a route was training (`train.interrupt`; the same command resumes it), at once before
+that.
 """
 
 from __future__ import annotations

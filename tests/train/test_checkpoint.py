@@ -3,6 +3,7 @@ set aside and the newest intact step restored with a warning; with none intact, 
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 
@@ -99,6 +100,32 @@ def test_data_state_is_saved_as_it_was_when_save_returned(tmp_path):
   ckpt.close()
   _, data, step = checkpoint.Checkpointer(str(tmp_path / "ckpt")).restore(_state(2))
   assert step == 4 and data["loss_window"] == [4.0]
+
+
+@pytest.mark.parametrize("error,full", [
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+    (PermissionError(errno.EACCES, "Permission denied"), False),
+    (ValueError("PERMISSION_DENIED: Failed to open file [os_error_code='13']"), False),
+    (RuntimeError("a bug"), False)])
+def test_only_a_full_disk_is_turned_into_one_line(tmp_path, error, full):
+  """A full disk (or quota) while saving is a UserError naming the directory and the cause (`train.train` tests
+  the run's side); any other error passes unchanged, with its traceback."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, _state(1), {})
+
+  def save(*args, **kwargs):
+    raise error
+
+  ckpt._mgr.save = save
+  with pytest.raises(UserError if full else type(error)) as raised:
+    ckpt.save(2, _state(1), {})
+  ckpt.close()
+  if full:
+    assert str(raised.value) == (f"cannot write a checkpoint to {tmp_path / 'ckpt'}: disk quota exceeded; the "
+                                 f"finished steps there (1) are kept: free space and run the same command again to "
+                                 f"resume from step 1")
+  else:
+    assert raised.value is error
 
 
 def test_a_state_of_another_layout_is_refused_untouched(tmp_path):

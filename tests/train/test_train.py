@@ -2,7 +2,9 @@
 step behind, never saving a bad state), compare mode outputs, and a sharded step on an 8-device CPU mesh
 equal to the single-device step."""
 
+import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -15,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -253,6 +256,57 @@ def test_a_stop_signal_saves_the_step_in_flight_and_the_rerun_resumes_it(tmp_pat
               for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut.run.out_dir,
                                                                                       cfg.run.out_dir)]
   assert untimed[0] == untimed[1]
+
+
+# The two forms a full disk takes while a step is written: Python's OSError (the JSON item, Orbax's metadata),
+# raised as the save starts, and TensorStore's error (the arrays), raised in Orbax's writer thread (which logs it
+# with its traceback) and again where the run next waits for the step: at the next save, or at the end.
+_NO_SPACE = {
+    "save": OSError(errno.ENOSPC, "No space left on device"),
+    "writer": ValueError("RESOURCE_EXHAUSTED: Error writing \"0.layers.0.attn.k.kernel/0.0\" in OCDBT database: "
+                         "Failed to write 225254 bytes to file 11: No space left on device [os_error_code='28']"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_NO_SPACE))
+def test_a_full_disk_while_saving_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, capsys, caplog, form):
+  """A full disk while step 4 is written stops the run with one line naming the checkpoint directory and the
+  cause, exit status 2 (it was pages of traceback, Orbax's logged ones included); step 2 is kept, and once space
+  is freed the same run resumes from it."""
+  cfg = tiny_cfg(tmp_path, "run.steps=6", "run.ckpt_every=2")
+  full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
+  cut = config.replace(cfg, run={"out_dir": str(tmp_path / "cut")})
+  error, failed = _NO_SPACE[form], []
+  save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+
+  def full_disk_save(self, step, *args, **kwargs):
+    if step != 4:
+      return save(self, step, *args, **kwargs)
+    wait(self)  # as Orbax's save does first: the step before is written
+    if form == "save":
+      raise error
+    logging.getLogger("absl").error("_SignalingThread.run() raised an exception: %s", error, exc_info=error)
+    failed.append(step)  # nothing of the step written: it fails in the writer thread
+    return True
+
+  def full_disk_wait(self):
+    if failed:
+      raise error
+    return wait(self)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk_save)
+  monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", full_disk_wait)
+  capsys.readouterr()
+  assert main_lib.guarded("python -m train", False, lambda: train.run(cut, TOKENS, TOKENS[:2000], 257)) == 2
+  ckpt = os.path.join(cut.run.out_dir, "ckpt")
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"python -m train: error: cannot write a checkpoint to {ckpt}: no space left on device; the finished steps "
+      f"there (2) are kept: free space and run the same command again to resume from step 2")
+  assert not [r for r in caplog.records if "No space" in r.getMessage()]
+  assert checkpoint.saved_steps(ckpt) == [2]
+  monkeypatch.undo()  # space freed
+  resumed = train.run(cut, TOKENS, TOKENS[:2000], 257)
+  assert resumed["losses"] == {s: full["losses"][s] for s in range(3, 7)}  # bit-identical
 
 
 def test_stop_request_gives_the_second_signal_its_default_action():
