@@ -32,11 +32,14 @@ def alive(pid: int) -> bool:
 
 
 class RunLock:
-  """`with RunLock(out_dir): ...` holds out_dir/LOCK for the block; raises UserError if another run holds it."""
+  """`with RunLock(out_dir): ...` holds out_dir/LOCK for the block; raises UserError if another run holds it, whose
+  message ends with `advice` (what to do instead: a tool that reads a run directory waits, it takes no other)."""
 
-  def __init__(self, out_dir: str, *, log: TextIO = sys.stderr):
+  def __init__(self, out_dir: str, *, log: TextIO = sys.stderr,
+               advice: str = "wait for it to finish or use another run.out_dir"):
     self.path = os.path.join(os.path.abspath(out_dir), "LOCK")
     self.log = log
+    self.advice = advice
     self._fd: int | None = None
 
   def _holder(self) -> dict:
@@ -59,8 +62,7 @@ class RunLock:
       holder = self._holder()
       self._close()
       raise UserError(f"{os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
-                      f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it to finish or "
-                      f"use another run.out_dir") from None
+                      f"{holder.get('host', '?')}, since {holder.get('started', '?')}); {self.advice}") from None
     except OSError as e:  # a file system without flock: the recorded pid is all there is to go on
       locked = False
       self.log.write(f"[train] warning: cannot lock {self.path} ({e.strerror}); checking its recorded pid only\n")
@@ -80,8 +82,7 @@ class RunLock:
     if holder.get("pid") not in (None, os.getpid()):
       if not locked and isinstance(holder["pid"], int) and alive(holder["pid"]):
         self._close()
-        raise UserError(f"{os.path.dirname(self.path)} is in use by pid {holder['pid']} on {host}; wait for it "
-                        f"to finish or use another run.out_dir")
+        raise UserError(f"{os.path.dirname(self.path)} is in use by pid {holder['pid']} on {host}; {self.advice}")
       self.log.write(f"[train] warning: taking over the stale lock {self.path} of pid {holder.get('pid')} on "
                      f"{host}, which is no longer running\n")
     record = {"pid": os.getpid(), "host": host, "started": time.strftime("%Y-%m-%d %H:%M:%S")}

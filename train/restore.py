@@ -7,6 +7,7 @@ train` writes config.yaml there before the first step and checkpoints under ckpt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from train import build, checkpoint, data, tokenizers
+from train import build, checkpoint, data, lock, tokenizers
 from train import config as config_lib
 from train import train
 from train.errors import UserError
@@ -55,12 +56,33 @@ def load(run_dir: str, *, route: str | None = None, scan_layers: bool | str | No
   blocks). The checkpoint is restored into the run's own model, whose layout it was saved in (a scanned run
   holds its blocks stacked, `fp4jax.nn.llama.model`), then copied into the one asked for (`copy_params`).
   Raises UserError when `run_dir` holds no config.yaml or no checkpoint (a run with run.ckpt_every = 0 saves
-  one at its last step only)."""
-  from fp4jax.nn.llama.model import copy_params  # pylint: disable=g-import-not-at-top
+  one at its last step only). Holds the run's lock while it reads: a UserError when a run holds it."""
   path = os.path.join(run_dir, "config.yaml")
   if not os.path.isfile(path):
     raise UserError(f"{run_dir} is not a run directory of python -m train (no config.yaml there); in compare mode "
                     f"each route has its own, <run.out_dir>/<route>/")
+  with _locked(run_dir, log):
+    return _load(run_dir, path, route, scan_layers, log)
+
+
+@contextlib.contextmanager
+def _locked(run_dir: str, log: TextIO):
+  """Holds `run_dir`'s lock (`train.lock.RunLock`, the one a training run holds) for the block: a run going on
+  there writes the config and checkpoints this would read, and a restore sets damaged steps aside. A directory
+  whose lock cannot be written (read-only: no run of this user writes there) is read with a warning."""
+  held = lock.RunLock(run_dir, log=log, advice="wait for it to finish (it writes the checkpoints this reads)")
+  try:
+    held.acquire()
+  except OSError as e:
+    log.write(f"[restore] warning: cannot lock {held.path} ({e.strerror or e}); reading {run_dir} unlocked\n")
+  try:
+    yield
+  finally:
+    held.release()
+
+
+def _load(run_dir: str, path: str, route: str | None, scan_layers: bool | str | None, log: TextIO) -> TrainedRun:
+  from fp4jax.nn.llama.model import copy_params  # pylint: disable=g-import-not-at-top
   saved = config_lib.from_dict(config_lib.read_yaml(path))
   cfg = saved
   if route is not None:

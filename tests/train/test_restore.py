@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 import jax
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from bench.__main__ import main as bench_main
-from train import build, config, restore, train
+from train import build, config, lock, restore, train
 from train.errors import UserError
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n\n" * 300).encode()
@@ -97,3 +98,24 @@ def test_bench_diagnose_on_a_directory_that_is_no_run_is_one_line_exit_2(tmp_pat
   assert bench_main(["--compile-cache", "off", "diagnose", "--run", str(tmp_path)]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and err.startswith(f"python -m bench diagnose: error: {tmp_path} is not a run directory")
+
+
+def test_bench_diagnose_waits_for_a_run_going_on_in_its_directory(run_dir, capsys, monkeypatch):
+  """The training run's lock is taken while the run directory is read: with a run holding it (one that may be
+  writing the checkpoint), one line, exit status 2; it read the directory regardless before. A lock that cannot be
+  written (a read-only directory, where no run of this user writes) is a warning."""
+  with lock.RunLock(run_dir):
+    assert bench_main(["--compile-cache", "off", "diagnose", "--run", run_dir, "--samples", "1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and err.startswith(f"python -m bench diagnose: error: {run_dir} is in use by another "
+                                                 f"run (pid {os.getpid()} on ")
+  assert err.endswith("; wait for it to finish (it writes the checkpoints this reads)")
+
+  def read_only(self):
+    raise PermissionError(13, "Permission denied", self.path)
+
+  monkeypatch.setattr(lock.RunLock, "acquire", read_only)
+  log = io.StringIO()
+  assert restore.load(run_dir, log=log).step == 3
+  assert log.getvalue() == (f"[restore] warning: cannot lock {run_dir}/LOCK (Permission denied); reading {run_dir} "
+                            f"unlocked\n")
