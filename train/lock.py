@@ -40,6 +40,7 @@ class RunLock:
     self.path = os.path.join(os.path.abspath(out_dir), "LOCK")
     self.log = log
     self.advice = advice
+    self.created = False  # whether `acquire` made the file
     self._fd: int | None = None
 
   def _holder(self) -> dict:
@@ -51,21 +52,39 @@ class RunLock:
       record = None
     return record if isinstance(record, dict) else {"unreadable": text[:80]}
 
+  def _open_locked(self) -> bool:
+    """Opens the file, making it if missing (`created`), and flocks it; returns whether flock works here. A file
+    removed meanwhile (`release(remove=True)` removes it while holding it) is opened again: a lock on a file no
+    longer at `path` would not keep out the next run, which makes a new one."""
+    while True:
+      try:
+        self._fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+      except FileExistsError:
+        try:
+          self._fd, self.created = os.open(self.path, os.O_RDWR), False
+        except FileNotFoundError:
+          continue
+      try:
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = self._holder()
+        self._close()
+        raise UserError(f"{os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
+                        f"{holder.get('host', '?')}, since {holder.get('started', '?')}); {self.advice}") from None
+      except OSError as e:  # a file system without flock: the recorded pid is all there is to go on
+        self.log.write(f"[train] warning: cannot lock {self.path} ({e.strerror}); checking its recorded pid only\n")
+        return False
+      try:
+        if os.path.samestat(os.fstat(self._fd), os.stat(self.path)):
+          return True
+      except FileNotFoundError:
+        pass
+      self._close()
+
   def acquire(self) -> None:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    locked = self._open_locked()
     host = socket.gethostname()
-    locked = True
-    try:
-      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = self._holder()
-      self._close()
-      raise UserError(f"{os.path.dirname(self.path)} is in use by another run (pid {holder.get('pid', '?')} on "
-                      f"{holder.get('host', '?')}, since {holder.get('started', '?')}); {self.advice}") from None
-    except OSError as e:  # a file system without flock: the recorded pid is all there is to go on
-      locked = False
-      self.log.write(f"[train] warning: cannot lock {self.path} ({e.strerror}); checking its recorded pid only\n")
     holder = self._holder()  # what a run that did not release the lock left behind
     if "unreadable" in holder:  # no record of ours (a hand-edited or damaged file)
       if not locked:
@@ -90,11 +109,15 @@ class RunLock:
     os.pwrite(self._fd, json.dumps(record).encode(), 0)
     os.fsync(self._fd)
 
-  def release(self) -> None:
-    """Empties the file (an empty LOCK is free) and drops the lock. The file stays: deleting it would let a
-    process that opened it just before take a lock on a file that no longer exists, beside a new one."""
+  def release(self, *, remove: bool = False) -> None:
+    """Empties the file (an empty LOCK is free) and drops the lock. The file stays, unless `remove` (a run refused
+    before it trains leaves the directory as it found it) and this lock made it: then it is removed while still
+    held, so that a process that opened it meanwhile opens the new one instead (`_open_locked`)."""
     if self._fd is not None:
-      os.ftruncate(self._fd, 0)
+      if remove and self.created:
+        os.unlink(self.path)
+      else:
+        os.ftruncate(self._fd, 0)
       self._close()
 
   def _close(self) -> None:

@@ -307,25 +307,49 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   same settings is not trained again: its saved result.json row is reported. The config is checked in full first,
   then out_dir, and in compare mode each route's out_dir/<route> (which a single-route run may name), is locked
   for the whole call (`train.lock.RunLock`). An out_dir that holds a run of the other layout (single-route or
-  compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`).
+  compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`). A call refused
+  (or stopped) before its first route runs removes the folders and LOCK files it made, and only those.
   """
   log = sys.stderr if log is None else log
-  files = build.preflight(cfg)
+  out_dirs = list(dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in build.route_configs(cfg)]))
+  made = _missing_dirs(out_dirs)  # what this call makes (preflight, the locks), removed again if it is refused
   with contextlib.ExitStack() as held:
-    if jax.process_index() == 0:
-      for out_dir in dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in build.route_configs(cfg)]):
-        held.enter_context(lock.RunLock(out_dir, log=log))
-    # under the lock: what a running job writes there is not yet final
-    metrics.check_layout(cfg.run.out_dir, compare=bool(cfg.run.routes), route=cfg.route)
-    for _, sub in build.route_configs(cfg):
-      check_out_dir(sub)
-    return _run_routes(cfg, files, log)
+    locks: list[lock.RunLock] = []
+    try:
+      files = build.preflight(cfg)
+      if jax.process_index() == 0:
+        for out_dir in out_dirs:
+          locks.append(held.enter_context(lock.RunLock(out_dir, log=log)))
+      # under the lock: what a running job writes there is not yet final
+      metrics.check_layout(cfg.run.out_dir, compare=bool(cfg.run.routes), route=cfg.route)
+      for _, sub in build.route_configs(cfg):
+        check_out_dir(sub)
+      splits = data.load_splits(cfg.data, files=files, log=log)
+    except BaseException:  # refused (or stopped) before any route ran: the directories as the call found them
+      for held_lock in reversed(locks):
+        held_lock.release(remove=True)
+      for path in sorted(made, key=len, reverse=True):  # a folder before the one that holds it
+        with contextlib.suppress(OSError):  # one that holds something now stays
+          os.rmdir(path)
+      raise
+    return _run_routes(cfg, splits, log)
 
 
-def _run_routes(cfg: config_lib.Config, files: tuple[list[str], list[str]], log) -> list[dict[str, Any]]:
+def _missing_dirs(paths: list[str]) -> set[str]:
+  """The directories, `paths` and the folders above them, that do not exist yet."""
+  missing = set()
+  for path in paths:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+      missing.add(path)
+      path = os.path.dirname(path)
+  return missing
+
+
+def _run_routes(cfg: config_lib.Config, splits: tuple[np.ndarray, np.ndarray, Any], log) -> list[dict[str, Any]]:
   compare = bool(cfg.run.routes)
   routes = cfg.run.routes or (cfg.route,)
-  train_tokens, eval_tokens, tok = data.load_splits(cfg.data, files=files, log=log)
+  train_tokens, eval_tokens, tok = splits
   log.write(f"[train] {len(train_tokens):,} train / {len(eval_tokens):,} held-out {tok.name} tokens; "
             f"routes {list(routes)}; {jax.device_count()} {jax.devices()[0].platform} device(s)\n")
   short = data.short_heldout(len(eval_tokens), cfg.data, cfg.run.eval_batches)

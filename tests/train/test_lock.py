@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -70,3 +71,57 @@ def test_compare_mode_also_holds_each_routes_directory(tmp_path, capsys, monkeyp
         EXIT_USER_ERROR
   err = capsys.readouterr().err.strip()
   assert f"{tmp_path / 'run' / 'mxfp4'} is in use by another run" in err, err
+  assert _tree(tmp_path) == ["run", "run/mxfp4", "run/mxfp4/LOCK"]  # as the call found it: the holder's LOCK only
+
+
+def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again_on_the_new_one(tmp_path, monkeypatch):
+  """A refused run removes the LOCK it made while holding it (`release(remove=True)`): a process that opened that
+  file just before takes its lock once it is free, on a file no longer in the directory, which would not keep out
+  the next run; it opens the new one instead."""
+  flock, calls = lock.fcntl.flock, []
+
+  def removed_first(fd, operation):
+    if not calls:  # between this process's open and its flock: the file removed, and another made
+      (tmp_path / "LOCK").unlink()
+      (tmp_path / "LOCK").write_text("")
+    calls.append(fd)
+    return flock(fd, operation)
+
+  monkeypatch.setattr(lock.fcntl, "flock", removed_first)
+  with lock.RunLock(str(tmp_path)) as held:
+    assert len(calls) == 2 and os.path.samestat(os.fstat(held._fd), os.stat(held.path))
+  monkeypatch.undo()
+  held = lock.RunLock(str(tmp_path))
+  held.acquire()
+  assert not held.created
+  held.release(remove=True)  # not made by this lock: kept
+  assert (tmp_path / "LOCK").read_text() == ""
+
+
+def _tree(root) -> list[str]:
+  return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_a_refused_run_leaves_the_out_dir_as_it_found_it(tmp_path, capsys, monkeypatch):
+  """A compare run refused before any route runs (here: out_dir holds a single-route run, or the data is refused)
+  removes the folders and LOCK files it made, and only those; it left out_dir/LOCK and out_dir/<route>/LOCK
+  behind, in folders of their own."""
+  monkeypatch.setattr(data, "load_splits", lambda *a, **k: pytest.fail("trained in a refused run"))
+  single = tmp_path / "single"
+  single.mkdir()
+  (single / "metrics.jsonl").write_text("")
+  (single / "bf16").mkdir()  # a folder of the user's, which the compare run would use as its route's
+  (single / "LOCK").write_text("")  # left by the single-route run: not made by the compare run, so kept
+  found = _tree(tmp_path)
+  compare = ["--config", "configs/cpu_compare.yaml", "--set"]
+  assert main(compare + [f"run.out_dir={single}"]) == EXIT_USER_ERROR
+  assert "holds a single-route run (metrics.jsonl)" in capsys.readouterr().err
+  assert _tree(tmp_path) == found
+
+  def refused(*args, **kwargs):
+    raise UserError("data refused")
+
+  monkeypatch.setattr(data, "load_splits", refused)  # the last check before the routes run, once all is locked
+  assert main(compare + [f"run.out_dir={tmp_path / 'new' / 'run'}"]) == EXIT_USER_ERROR
+  assert capsys.readouterr().err.strip() == "python -m train: error: data refused"
+  assert _tree(tmp_path) == found
