@@ -130,6 +130,15 @@ def e4m3_sr(t: np.ndarray, u: np.ndarray) -> np.ndarray:
   return np.where(u < p, hi_b, lo_b).astype(np.uint8)
 
 
+def scale_cap(factor, vmax: float = 6.0) -> np.ndarray:
+  """The largest finite E4M3 value T whose top decoded value fp32(vmax * T) * factor is finite (the block scale
+  cap that keeps huge finite inputs from decoding to inf), per element of `factor`; 0 where none is (a NaN)."""
+  table = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(F32)  # codes 0..126, increasing
+  with np.errstate(over="ignore", invalid="ignore"):
+    ok = np.isfinite((table * F32(vmax)).astype(F32) * np.asarray(factor, F32)[..., None])
+  return np.where(ok, table, F32(0)).max(-1).astype(F32)
+
+
 def tree_sum(a: np.ndarray, axis: int) -> np.ndarray:
   a = np.moveaxis(a, axis, -1)
   while a.shape[-1] > 1:
@@ -238,10 +247,10 @@ def quantize_np(x, fmt: str, *, axis: int = -1, rounding: str = "rne", key=None,
   bad = bad | ~np.isfinite(s_enc)
   s_enc = np.where(np.isfinite(s_enc), s_enc, F32(1)).astype(F32)
 
-  def scale_for(vmax):
-    return e4m3_rn(np.minimum(amax_b * (s_enc * inv_target(vmax, rounding)), F32(448)))
-
   inv = (F32(1) / s_enc).astype(F32)  # outer, fp32(1 / S_enc), per unit
+
+  def scale_for(vmax, cap=F32(448)):
+    return e4m3_rn(np.minimum(amax_b * (s_enc * inv_target(vmax, rounding)), cap))
 
   def scaled(s_b):  # x * enc_b, enc_b = 1 / fp32(s_b * outer): Transformer Engine's order
     sf = s_b.astype(F32)
@@ -258,11 +267,11 @@ def quantize_np(x, fmt: str, *, axis: int = -1, rounding: str = "rne", key=None,
       d = ((q * s_b.astype(F32)[..., None]).astype(F32) - target).astype(F32)
       return usum((d * d).astype(F32))
 
-    s6, s4 = scale_for(6.0), scale_for(4.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-      s_b = np.where(err(s4) < err(s6), s4, s6)
+    s6, s4 = scale_for(6.0, scale_cap(inv)), scale_for(4.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # target 4 only where its codes (<= 4) decode finite
+      s_b = np.where((err(s4) < err(s6)) & (s4.astype(F32) <= scale_cap(inv, 4.0)), s4, s6)
   else:
-    s_b = scale_for(6.0)
+    s_b = scale_for(6.0, scale_cap(inv))
   with np.errstate(invalid="ignore"):
     codes = enc(scaled(s_b))
   scales = s_b.view(np.uint8).copy()
@@ -294,7 +303,7 @@ def eden_targets_np(xb, bad):
     num = tree_sum((ys * ys).astype(F32).reshape(g), -1)
     den = tree_sum((ys * q).astype(F32).reshape(g), -1)
     c = np.where(den == 0, F32(1), num / np.where(den == 0, F32(1), den)).astype(F32)
-    t = np.minimum((s_b * np.repeat(c, 8, -1)).astype(F32), F32(448))
+    t = np.minimum((s_b * np.repeat(c, 8, -1)).astype(F32), scale_cap(s_dec))
   return codes, np.where(bad, F32(1), t).astype(F32), F32(s_dec), bad
 
 

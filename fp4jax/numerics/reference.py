@@ -37,7 +37,9 @@ Conventions (the contract the kernels reproduce):
   * Non-finite input: a scale unit holding NaN or +-Inf gets a NaN scale (E8M0 0xFF, E4M3 0x7F) and zero codes,
     so it dequantizes to NaN; a non-finite tensor (or row-tile) amax makes outer NaN and every scale it governs
     NaN with zero codes. Never finite garbage.
-  * Huge finite values saturate (no inf scales); tiny blocks keep their values where the format can hold them.
+  * Huge finite values saturate (no inf scales, no value decoding to inf): NVFP4 and MS-EDEN block scales are
+    capped at `scale_cap` (448 but near float32 max, where SR's headroom or EDEN's correction would pass it);
+    tiny blocks keep their values where the format can hold them.
 """
 
 from __future__ import annotations
@@ -206,9 +208,30 @@ def nv_inv_target(v_max: float, headroom: float) -> np.float32:
   return c if Fraction(float(c)) >= want else np.nextafter(c, np.float32(np.inf))
 
 
-def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom: float = 1.0) -> jax.Array:
-  """E4M3 block scale aiming the block max at `v_max / headroom`: e4m3_RN(min(amax_b * (S_enc * c), 448))."""
-  return e4m3_rn(jnp.minimum(amax_b * (s_enc * nv_inv_target(v_max, headroom)), E4M3_MAX))
+# E4M3 values above 240, ascending: the block scales `scale_cap` may return (240 where none of them fits).
+_CAP_STEPS = (256.0, 288.0, 320.0, 352.0, 384.0, 416.0, E4M3_MAX)
+
+
+def scale_cap(factor: jax.Array, v_max: float = E2M1_MAX) -> jax.Array:
+  """The largest E4M3 value T <= 448 whose top decoded value fp32(v_max * T) * factor is finite, for the FP32
+  decode factor of an NVFP4 tensor (outer) or of MS-EDEN (s_dec): block scales are capped at it, so that huge
+  finite inputs saturate instead of decoding to inf (docs/NUMERICS.md, "Special values"). 448 wherever
+  factor <= float32 max / (448 * v_max), so ordinary tensors are untouched. The factors the quantizers pass are at
+  most float32 max / 1445 (amax <= float32 max over the smallest numerator, 4/6's with SR headroom; EDEN's
+  1554), so T >= 240 and only `_CAP_STEPS` need trying. Products and compares only: the Pallas kernels run it too.
+  """
+  cap = np.float32(240.0)
+  for t in _CAP_STEPS:  # v_max * t is exact; the product with the factor is the one `dequantize` rounds
+    cap = jnp.where(np.float32(v_max * t) * factor <= _F32_MAX, np.float32(t), cap)
+  return cap
+
+
+def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom: float = 1.0,
+                    cap: jax.Array | float = E4M3_MAX) -> jax.Array:
+  """E4M3 block scale aiming the block max at `v_max / headroom`: e4m3_RN(min(amax_b * (S_enc * c), cap)), cap
+  `scale_cap(outer)` (448 but for tensors near float32 max; an E4M3 value, so capping before or after the RN
+  is the same)."""
+  return e4m3_rn(jnp.minimum(amax_b * (s_enc * nv_inv_target(v_max, headroom)), cap))
 
 
 def nv_block_encode(sf: jax.Array, outer: jax.Array) -> jax.Array:
@@ -232,7 +255,8 @@ def _nv_scaled(xb: jax.Array, s_b: jax.Array, outer: jax.Array) -> jax.Array:
 
 
 def _four_over_six(xb, amax_b, s_enc, outer, cfg: _Cfg, headroom: float) -> jax.Array:
-  """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error."""
+  """Per unit, the E4M3 scale for target max 6 or 4 whose RNE codes have the lower squared error; target 4 only
+  where 4 * s_b * outer is finite (`scale_cap`): its codes stay <= 4 (below 5 under RNE; SR: the headroom)."""
   # [..., nb, B]: x in the S_enc-scaled domain, rounded to float32 here: the barrier keeps XLA from contracting
   # the product into the subtraction below (an FMA). q * s_b is exact, so that side needs none.
   target = jax.lax.optimization_barrier(xb * s_enc[..., None])
@@ -241,8 +265,10 @@ def _four_over_six(xb, amax_b, s_enc, outer, cfg: _Cfg, headroom: float) -> jax.
     q = e2m1_decode(e2m1_encode_rne(_nv_scaled(xb, s_b, outer)))
     return _unit_sum(jnp.square(q * ieee.e4m3_to_f32(s_b)[..., None] - target), cfg)
 
-  s6, s4 = _nv_block_scale(amax_b, s_enc, 6.0, headroom), _nv_block_scale(amax_b, s_enc, 4.0, headroom)
-  return jnp.where(err(s4) < err(s6), s4, s6)
+  s6 = _nv_block_scale(amax_b, s_enc, 6.0, headroom, scale_cap(outer))
+  s4 = _nv_block_scale(amax_b, s_enc, 4.0, headroom)
+  four = (err(s4) < err(s6)) & (ieee.e4m3_to_f32(s4) <= scale_cap(outer, 4.0))
+  return jnp.where(four, s4, s6)
 
 
 def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
@@ -262,7 +288,7 @@ def _quantize_nv(xb, cfg: _Cfg, *, u, key, tensor_amax) -> _Result:
   if spec.four_over_six:
     s_b = _four_over_six(xb, amax_b, s_enc_b, outer_b, cfg, headroom)
   else:
-    s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom)
+    s_b = _nv_block_scale(amax_b, s_enc_b, E2M1_MAX, headroom, scale_cap(outer_b))
   codes = _encode(_nv_scaled(xb, s_b, outer_b), cfg, u)
   return _Result(codes, s_b, outer, bad)
 
@@ -293,7 +319,7 @@ def _eden_targets(xb: jax.Array, tensor_amax) -> tuple[jax.Array, jax.Array, jax
   num = _tree_sum((ys * ys).reshape(groups), -1)  # [..., n / 128]
   den = _tree_sum((ys * q).reshape(groups), -1)
   c = jnp.where(den == 0, 1.0, ieee.div(num, jnp.where(den == 0, 1.0, den)))
-  t = jnp.minimum(s_b * jnp.repeat(c, per_group, axis=-1), E4M3_MAX)  # [..., nb]
+  t = jnp.minimum(s_b * jnp.repeat(c, per_group, axis=-1), scale_cap(s_dec))  # [..., nb]
   return codes, jnp.where(bad, 1.0, t), s_dec, bad
 
 

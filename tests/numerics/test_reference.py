@@ -39,6 +39,7 @@ CONFIG_IDS = [c[0] for c in CONFIGS]
 
 
 SHAPE = (128, 128)  # one shape everywhere, so the tests share compiled quantizers
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _inputs(shape=SHAPE) -> dict[str, np.ndarray]:
@@ -58,6 +59,9 @@ def _inputs(shape=SHAPE) -> dict[str, np.ndarray]:
   edge[32:48] *= 1e-30  # tiny
   edge[48:64] = np.where(rng.random((16, c)) < 0.5, 3e38, -2.9e38)  # huge
   huge = normal * 3e38 / np.abs(normal).max()
+  near_max = normal.copy()  # where a block's top decoded value 6 * s_b * outer would pass float32 max
+  near_max[:16, :16] = 0.8 * F32_MAX  # RTN codes 4 under MS-EDEN: the correction c ~ 1.2 lifts t above 256
+  near_max[0, 0], near_max[5, 5], near_max[r - 1, c - 1] = F32_MAX, -F32_MAX, 3.3e38
   tiny = normal * 1e-30
   nonfinite = normal.copy()
   nonfinite[3, 5] = np.nan
@@ -65,7 +69,7 @@ def _inputs(shape=SHAPE) -> dict[str, np.ndarray]:
   nonfinite[r - 1, 1] = -np.inf
   return {name: np.asarray(v, np.float32) for name, v in dict(
       normal=normal, student_t=rng.standard_t(2, shape), outliers=outliers, spread=spread, ties=ties, edge=edge,
-      huge=huge, tiny=tiny, nonfinite=nonfinite).items()}
+      huge=huge, near_max=near_max, tiny=tiny, nonfinite=nonfinite).items()}
 
 
 def _q(x, fmt, **options):
@@ -183,6 +187,34 @@ def test_mxfp4_blocks_near_float32_max_stay_finite(options):
   assert int(np.asarray(q.scales).max()) - 127 == 125
   out = np.asarray(ref.dequantize(q))
   assert np.isfinite(out).all() and (np.abs(out) == 6 * 2.0**125).all()
+
+
+@pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS if c[1] != "mxfp4"],
+                         ids=[c[0] for c in CONFIGS if c[1] != "mxfp4"])
+def test_nvfp4_near_float32_max_saturates(fmt, options):
+  """Huge finite values saturate: no block scale whose top decoded value passes float32 max (`scale_cap`). With
+  SR's 17/16 headroom or MS-EDEN's correction (up to ~1.7x) the largest code once decoded to inf for an amax
+  above ~3.2e38 (SR; ~2e38 for MS-EDEN), while RNE kept these tensors finite, as it still does, unchanged."""
+  x = _inputs()["near_max"]
+  for axis in (0, -1):
+    d = np.asarray(ref.dequantize(_q(x, fmt, axis=axis, **options)))
+    assert np.isfinite(d).all(), (axis, np.isinf(d).sum())
+    top = np.abs(x) > 3e38
+    np.testing.assert_allclose(d[top], x[top], rtol=0.05)
+
+
+def test_scale_cap_binds_only_near_float32_max():
+  """The cap is 448 (no cap) for every amax under RNE, for an SR amax up to 3.2e38 and an MS-EDEN one up to 1.9e38,
+  so ordinary tensors keep their bits; 4/6 under RNE never reaches its caps (s_b <= 256 and 384)."""
+  def outer(amax, scale_max, headroom):
+    return ref.nvfp4_outer(ref.nvfp4_encode_scale(jnp.float32(amax), scale_max / headroom))
+  h = ref.NV_HEADROOM["sr"]
+  assert float(ref.scale_cap(outer(F32_MAX, 448, 1))) == 448
+  assert float(ref.scale_cap(outer(3.2e38, 448, h))) == 448 > float(ref.scale_cap(outer(3.21e38, 448, h)))
+  o46 = outer(F32_MAX, 256, 1)
+  assert float(ref.scale_cap(o46)) == 256 and float(ref.scale_cap(o46, 4)) == 384
+  assert float(ref.scale_cap(ref.eden_decode_scale(jnp.float32(1.9e38)))) == 448
+  assert float(ref.scale_cap(ref.eden_decode_scale(jnp.float32(F32_MAX)))) == 256
 
 
 def test_tile_2d_orientations_agree():

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax.numerics import reference
 from fp4jax.numerics.qtensor import ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.numerics.values import scaled_values
@@ -198,6 +199,33 @@ def test_edge_tensors_match_reference(name, row, col, implementation):
     got = api.quantize_views(x, row, col, row_keys, col_keys, implementation=implementation)
     for g, w in zip(got, (xla.operand(x, row, 1, row_keys), xla.operand(x, col, 0, col_keys)), strict=True):
       assert_same(g, w)
+
+
+NEAR_MAX_SPECS = [("nv sr|sr", NV_SR, NV_SR), ("nvtile sr|sr", NVT_SR, NVT_SR),
+                  ("nv 16x16 sr", S("nvfp4", "sr", tile_2d=True), S("nvfp4", "sr", tile_2d=True)),
+                  ("nv46 rne|rne", S("nvfp4_46"), S("nvfp4_46")), ("eden", S("nvfp4", "eden"), S("nvfp4", "eden"))]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name,row,col", NEAR_MAX_SPECS, ids=[e[0] for e in NEAR_MAX_SPECS])
+def test_near_float32_max_saturates(name, row, col, implementation):
+  """bf16 max entries, and a block of 0.8x it (MS-EDEN's correction ~1.2): the reference decodes them finite
+  (block scales under `reference.scale_cap`; SR and MS-EDEN once decoded them to inf) and the kernels agree."""
+  del name
+  shape = (128, 128) if implementation != "pallas" else (256, 512)
+  big = float(jnp.finfo(jnp.bfloat16).max)
+  x = np.asarray(INPUTS["normal"](rng_for("near max"), shape))
+  x[:16, :16] = 0.8 * big
+  x[0, 0], x[5, 5], x[70, 40] = big, -big, -big
+  x = jnp.asarray(x).astype(jnp.bfloat16)
+  keys = OperandKeys(jax.random.key(4))
+  row_keys, col_keys = keys, keys if row.tile_2d else OperandKeys(jax.random.key(5))
+  want = (xla.operand(x, row, 1, row_keys), xla.operand(x, col, 0, col_keys))
+  for w in want:
+    assert np.isfinite(np.asarray(reference.dequantize(w))).all()
+  got = api.quantize_views(x, row, col, row_keys, col_keys, implementation=implementation)
+  for g, w in zip(got, want, strict=True):
+    assert_same(g, w)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])

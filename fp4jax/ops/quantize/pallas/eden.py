@@ -14,7 +14,8 @@ Two launches per view, with the one global dependency between them explicit:
        per 16-block: amax_b, s_b = e4m3_RN(min((amax_b * fp32(1/val_max)) / s_dec, 448)) (1 where 0);
        ys = y / (s_b * s_dec) per element; codes = E2M1_RNE(ys);
        per 128-group: num = tree(ys * ys), den = tree(ys * q) (`common.halving_sum`: the reference's
-       `_tree_sum` order over the rows), c = num / den (1 when den = 0), t = min(s_b * c, 448);
+       `_tree_sum` order over the rows), c = num / den (1 when den = 0), t = min(s_b * c, cap) (cap =
+       `reference.scale_cap(s_dec)`, 448 but for an amax near float32 max);
        scale = e4m3_SR(t) with one draw per block from stream `STREAM_SCALE_SR`, counter = the block's flat
        index in the K-major scales array.
      The program writes its codes and scales as it holds them, the quantized axis down the rows: blocks
@@ -134,7 +135,7 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   num = halving_sum(exact.mul_rn(ymag, ymag, interpret=cfg.interpret), group, 1).reshape(1, cols)
   den = halving_sum(exact.mul_rn(ymag, e2m1_magnitude(code), interpret=cfg.interpret), group, 1).reshape(1, cols)
   c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
-  t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, E4M3_MAX))  # [nb, C]
+  t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, reference.scale_cap(s_dec)))  # [nb, C]
   k0, k1 = p_ref[0], p_ref[1]
   group_id, column_id = common.grid_ids(grid)
   col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (column_id * cols).astype(jnp.uint32)

@@ -18,9 +18,10 @@ Two passes over x, with an explicit synchronisation between them:
      returns the row view's plain amax from the same read). A caller
      may pass `tensor_amax` (e.g. a delayed amax) to skip it for "nvfp4". Every per-tensor (per-tile) scalar
      is derived from it in XLA with the reference's own functions: S_enc (`nvfp4_encode_scale`, a correctly
-     rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc and the eight quotients
-     q_j = 1 / fl((1 + j/8) * outer), j = 0..7 (`ieee.div`, correctly rounded).
-  2. the Pallas kernel: per block, amax_b from |x|'s float32 bits; s_b = e4m3_RN(min(amax_b * g, 448)) by bit
+     rounded division), g = S_enc * c (c = `nv_inv_target`), outer = 1 / S_enc, the eight quotients
+     q_j = 1 / fl((1 + j/8) * outer), j = 0..7 (`ieee.div`, correctly rounded), and the scale cap
+     (`scale_cap`: 448 but for an amax near float32 max, where 6 * 448 * outer would overflow).
+  2. the Pallas kernel: per block, amax_b from |x|'s float32 bits; s_b = e4m3_RN(min(amax_b * g, cap)) by bit
      arithmetic (RNE on the float32 bits for normal E4M3, t * 2^9 rounded to an integer by the add of 2^23 for
      subnormal); enc_b = 1 / fl(s_b * outer) (Transformer Engine's order); codes from |x| * enc_b clamped to 6
      (`common.encode_rne/_sr`).
@@ -149,11 +150,13 @@ def _block_encode(sf: jax.Array, p_ref) -> jax.Array:
 
 def _scale_candidate(amax: jax.Array, p_ref, slot: int = 0):
   """(ok, enc_b, E4M3 scale byte, its value) of scale units with int32 amax bits `amax` aiming at the target
-  whose g = S_enc * c is in parameter `slot` (0: 6, params.G4_SLOT: 4/6's 4). ok is False for a non-finite unit or
-  a NaN S_enc: NaN scale (0x7F), and the caller zeroes the codes."""
+  whose g = S_enc * c is in parameter `slot` (0: 6, capped at `reference.scale_cap(outer)`; params.G4_SLOT: 4/6's
+  4, uncapped: `_view_46` drops it where over its cap). ok is False for a non-finite unit or a NaN S_enc: NaN
+  scale (0x7F), and the caller zeroes the codes."""
   g = p_ref[0, slot]
   ok = (amax < common.F32_INF) & (g == g)
-  t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, E4M3_MAX)
+  cap = p_ref[0, params.CAP_SLOT] if slot == 0 else E4M3_MAX
+  t = jnp.minimum(jax.lax.bitcast_convert_type(jnp.where(ok, amax, 0), jnp.float32) * g, cap)
   byte, sf = e4m3_rn_bytes(t)
   return ok, _block_encode(sf, p_ref), jnp.where(ok, byte, _E4M3_NAN), sf
 
@@ -191,7 +194,8 @@ def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int
              rounding: str, *, interpret: bool):
   """`_view` under 4/6 (RNE; `reference._four_over_six`): per block the codes for target maxima 6 and 4, their
   squared errors (q * s_b - x * S_enc)^2 in the S_enc-scaled domain summed in the reference's tree order, the
-  scale with the lower error kept (ties: 6). Products that feed a difference or a sum are `exact.mul_rn`."""
+  scale with the lower error kept (ties: 6), target 4 only up to its cap (CAP4_SLOT). Products that feed a
+  difference or a sum are `exact.mul_rn`."""
   del r24_lo, r24_hi, rounding  # RNE only
   amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
   xs = [jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) for a in (abs_lo, abs_hi)]
@@ -205,9 +209,9 @@ def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int
     sq = [exact.mul_rn(d, d, interpret=interpret)
           for d in (common.e2m1_magnitude(m) * sf - t for m, t in zip(mags, targets))]
     err = common.halving_sum(sq[0], blocks, axis) + common.halving_sum(sq[1], blocks, axis)
-    candidates.append((ok, byte, mags, err))
-  (ok, byte6, mags6, err6), (_, byte4, mags4, err4) = candidates
-  four = err4 < err6
+    candidates.append((ok, byte, mags, err, sf))
+  (ok, byte6, mags6, err6, _), (_, byte4, mags4, err4, sf4) = candidates
+  four = (err4 < err6) & (sf4 <= p_ref[0, params.CAP4_SLOT])
   lo, hi = (jnp.where(four, m4, m6) | s.reshape(blocks) for m6, m4, s in zip(mags6, mags4, (sign_lo, sign_hi)))
   packed = jnp.where(ok, lo | (hi << 4), 0)
   return (packed.reshape(abs_lo.shape).astype(jnp.uint8),

@@ -3,7 +3,8 @@ per-row-tile) scalars of a view, derived in XLA from its amax with the reference
 module docstring of `pallas.nvfp4` says why the kernel divides nowhere).
 
 Row layout (N_PARAMS float32, a power-of-two width): [g = S_enc * c, q_0 .. q_7, S_enc (S_ENC_SLOT),
-g4 = S_enc * c4 (G4_SLOT, 4/6's second target), L (SHIFT_SLOT), 0 ...].
+g4 = S_enc * c4 (G4_SLOT, 4/6's second target), L (SHIFT_SLOT), the block scale caps `reference.scale_cap(outer)`
+(CAP_SLOT) and `scale_cap(outer, 4)` (CAP4_SLOT, 4/6's target 4), 0 ...].
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fp4jax.numerics import ieee, reference
 from fp4jax.numerics.formats import E2M1_MAX, get_format
 
 N_PARAMS = 16
-S_ENC_SLOT, G4_SLOT, SHIFT_SLOT = 9, 10, 11
+S_ENC_SLOT, G4_SLOT, SHIFT_SLOT, CAP_SLOT, CAP4_SLOT = 9, 10, 11, 12, 13
 MANTISSAS = np.array([1 + j / 8 for j in range(8)], np.float32)  # E4M3 significands, exact in float32
 
 
@@ -62,8 +63,10 @@ def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], 
   assert numerators.min() >= 8, numerators
   q = ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True, normal_result=True)
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
-  pad = np.zeros((s.shape[0], N_PARAMS - 12), np.float32)
-  params = jnp.concatenate([g[:, None], q, s[:, None], g4[:, None], shift.astype(jnp.float32)[:, None], pad], 1)
+  caps = [reference.scale_cap(outer, v) for v in (E2M1_MAX, 4.0)]  # CAP_SLOT, CAP4_SLOT
+  pad = np.zeros((s.shape[0], N_PARAMS - 14), np.float32)
+  columns = [g, *q.T, s, g4, shift.astype(jnp.float32), *caps]
+  params = jnp.concatenate([jnp.stack(columns, 1), pad], 1)
   split = lambda v: (v[:counts[0]], v[counts[0]:])
   outers = tuple(o.reshape(()) if a.ndim == 0 else jnp.repeat(o, step)  # per program -> per K-major row
                  for o, a, step in zip(split(outer), amaxes, steps))
