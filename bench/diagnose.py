@@ -74,8 +74,8 @@ def model_inputs(preset: str, tokens: tuple[int, int], linears: list[str], seed:
 
 
 def run_inputs(run_dir: str, tokens: tuple[int, int], linears: list[str], seed: int) -> tuple[dict, str]:
-  """({linear path: GemmInputs (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out text:
-  the first BATCH windows of --tokens' BATCHxSEQ (SEQ is the run's own data.seq_len)."""
+  """({linear path: GemmInputs (x, w, dy)}, a description) of a trained run's model (`train.restore`) on held-out
+  text: the first BATCH windows of --tokens' BATCHxSEQ (SEQ is the run's own data.seq_len)."""
   from fp4jax.nn.diagnostics import capture_linears
   from train import restore  # The app that wrote the run knows its layout: config.yaml, ckpt/, data.
 

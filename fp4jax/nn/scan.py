@@ -7,8 +7,8 @@ instead. Its forward is a `fori_loop` whose body takes `jax.vjp` of one layer an
 VJP into a `lax.empty` stack (on GPU one uninitialized allocation, no fill); its backward, a reversed loop,
 rebuilds each layer's VJP from slice l of the stacks and writes the parameter gradients into `lax.empty`
 stacks too. A residual that is one of the layer's inputs (a parameter slice, an invariant, the layer index)
-is not stored: the backward takes it from where the forward did. Each layer's forward and backward are the computations a
-`lax.scan` would run, with the same numbers (tests/nn/test_scan.py).
+is not stored: the backward takes it from where the forward did. Each layer's forward and backward are the
+computations a `lax.scan` would run, with the same numbers (tests/nn/test_scan.py).
 
 `read_as` casts each layer's parameter slice inside the loop (float32 master weights read as the bf16 their
 products use): no cast copy of the whole stack is made or kept, and the loop's parameter gradients are stacked
