@@ -159,6 +159,13 @@ def evaluate(ts: TrainState, batches: list[np.ndarray]) -> float:
   return float(np.mean([float(l) for l in losses]))
 
 
+def route_data(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray
+               ) -> tuple[data.WindowIterator, list[np.ndarray]]:
+  """A route's train windows and held-out batches; a UserError when the tokens are too few for a batch of either."""
+  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed)
+  return it, data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, cfg.run.eval_batches)
+
+
 def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int,
         *, label: str | None = None) -> dict[str, Any]:
   """Trains (or resumes) one route; returns the table row plus per-step losses {step: loss}, steps 1-based."""
@@ -171,23 +178,25 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
       print(f"[{label}] finished earlier: reporting {os.path.join(r.out_dir, RESULT_FILE)} (use another run.out_dir "
             f"to train again)", file=sys.stderr)
     return {**saved, "losses": {}}
+  # Every refusal first (the data too short, a checkpoint that cannot continue this run), then the first write:
+  # a refused run leaves out_dir as it found it.
+  mesh = build.check_mesh(cfg)
+  it, eval_batches = route_data(cfg, train_tokens, eval_tokens)
+  ts = init_train_state(cfg, vocab_size, mesh)
+  fresh = not checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))  # no log to continue: set aside below
+  ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
+  start, data_state = 0, {}
+  if ckpt.latest_step() is not None:
+    ts.state, data_state, start = ckpt.restore(ts.state, alternative=checkpoint_alternative(ts))
+    it.restore(data_state)
   os.makedirs(r.out_dir, exist_ok=True)
-  if lead and not checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt")):  # a fresh start: no log to continue
+  if lead and fresh:
     metrics.set_aside(r.out_dir, log=sys.stderr)
   if lead:  # written whole or not at all (a process stopped mid-write left a torn file that blocked resuming)
     path = os.path.join(r.out_dir, "config.yaml")
     with open(path + ".tmp", "w") as f:
       yaml.safe_dump(config_lib.to_dict(cfg), f, sort_keys=False)
     os.replace(path + ".tmp", path)
-  mesh = build.check_mesh(cfg)
-  it = data.WindowIterator(train_tokens, cfg.data.seq_len, cfg.data.batch_size, r.seed)  # checks sizes first
-  eval_batches = data.eval_windows(eval_tokens, cfg.data.seq_len, cfg.data.batch_size, r.eval_batches)
-  ts = init_train_state(cfg, vocab_size, mesh)
-  ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
-  start, data_state = 0, {}
-  if ckpt.latest_step() is not None:
-    ts.state, data_state, start = ckpt.restore(ts.state, alternative=checkpoint_alternative(ts))
-    it.restore(data_state)
   log = metrics.MetricsLogger(r.out_dir, label, after=start) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
   rec = progress.StepRecorder(cfg, label, ckpt, log, bar)
@@ -325,6 +334,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
       for _, sub in build.route_configs(cfg):
         check_out_dir(sub)
       splits = data.load_splits(cfg.data, files=files, log=log)
+      route_data(cfg, *splits[:2])  # the routes differ in route and out_dir only: too few tokens fail here, once
     except BaseException:  # refused (or stopped) before any route ran: the directories as the call found them
       for held_lock in reversed(locks):
         held_lock.release(remove=True)

@@ -404,6 +404,30 @@ def test_fewer_held_out_batches_than_asked_are_said_and_recorded(tmp_path, capsy
   assert json.load(open(os.path.join(cfg.run.out_dir, train.RESULT_FILE)))["eval_batches"] == 9
 
 
+def _files(root) -> dict[str, bytes | None]:
+  return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_a_run_refused_for_too_few_tokens_leaves_the_out_dir_as_it_found_it(tmp_path):
+  """data.seq_len too long for the held-out text is refused before anything is written: it left out_dir/LOCK and
+  config.yaml (which the next run set aside as an earlier run's output), in compare mode each route's; a resumed
+  run's files stay as they were."""
+  cfg = _corpus_cfg(tmp_path, "data.seq_len=512", "run.routes=[bf16, mxfp4]")
+  with pytest.raises(UserError, match=r"the held-out split has 2,311 tokens, not one batch of data.batch_size=8 x "):
+    train.run_all(cfg)
+  assert not os.path.exists(cfg.run.out_dir)
+  for steps in (None, 2):  # `run` itself: a fresh out_dir, and one it resumes (from step 1 of 2)
+    cfg = tiny_cfg(tmp_path, "run.steps=2", "run.ckpt_every=1")
+    if steps:
+      train.run(cfg, TOKENS, TOKENS[:2000], 257)
+      os.remove(os.path.join(cfg.run.out_dir, train.RESULT_FILE))
+      shutil.rmtree(os.path.join(cfg.run.out_dir, "ckpt", "2"))
+    found = _files(tmp_path)
+    with pytest.raises(UserError, match=r"the held-out split has 200 tokens"):
+      train.run(cfg, TOKENS, TOKENS[:200], 257)
+    assert _files(tmp_path) == found
+
+
 def test_a_run_checks_the_head_of_each_source_file_once(tmp_path, monkeypatch):
   """The preflight's resolution of the sources (globs, the head of every file checked to be text) was done again
   by load_splits: twice per run. The preflight's result is what the run loads."""
