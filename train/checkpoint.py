@@ -132,6 +132,7 @@ class Checkpointer:
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
     logging.getLogger("absl").addFilter(_DROP_FULL_DISK_LOGS)  # once: the same filter is not added twice
+    self._full = False  # a full disk was reported (`_writing`): `close` does not report it again
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -163,6 +164,7 @@ class Checkpointer:
       kept = (f"the finished steps there ({', '.join(map(str, steps))}) are kept: free space and run the same "
               f"command again to resume from step {steps[-1]}" if steps else
               "no step was finished there: free space and run the same command again to train from the start")
+      self._full = True
       raise UserError(f"cannot write a checkpoint to {self.directory}: {os.strerror(code).lower()}; {kept}") from e
 
   def _problem(self, target: Any, step: int) -> tuple[str | None, Any]:
@@ -257,6 +259,12 @@ class Checkpointer:
       self._mgr.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for the step in flight, then closes the manager. After a full disk was reported, the failed write
+    fails again here (Orbax raises it at every wait): not reported twice, the run already stops on it."""
+    if self._full:
+      with contextlib.suppress(Exception):
+        self._mgr.close()
+      return
     with self._writing():
       self._mgr.wait_until_finished()
     self._mgr.close()

@@ -242,9 +242,9 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
             raise interrupt.Interrupted(stop.signum, label, done, ckpt.directory)
   finally:
     bar.close()
-    ckpt.close()
-    if log:
+    if log:  # before the checkpointer, whose close may raise (a full disk under the step in flight)
       log.close()
+    ckpt.close()
   if eval_loss is None:  # nothing left to train (resumed a finished run): evaluate the restored state
     eval_loss = evaluate(ts, eval_batches)
   peak, peak_kind = step_memory(getattr(ts.train_step, "compiled", None), mesh.devices.flat,

@@ -268,19 +268,19 @@ _NO_SPACE = {
 }
 
 
-@pytest.mark.parametrize("form", sorted(_NO_SPACE))
-def test_a_full_disk_while_saving_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, capsys, caplog, form):
-  """A full disk while step 4 is written stops the run with one line naming the checkpoint directory and the
-  cause, exit status 2 (it was pages of traceback, Orbax's logged ones included); step 2 is kept, and once space
-  is freed the same run resumes from it."""
+@pytest.mark.parametrize("form, bad", [("save", 4), ("writer", 4), ("writer", 6)])  # 6: the last, found in close
+def test_a_full_disk_while_saving_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, capsys, caplog, form, bad):
+  """A full disk while step `bad` is written stops the run with one line naming the checkpoint directory and the
+  cause, exit status 2 (it was pages of traceback, Orbax's logged ones included), the traceback of --debug naming
+  it once; the steps before are kept, and once space is freed the same run resumes from the newest."""
   cfg = tiny_cfg(tmp_path, "run.steps=6", "run.ckpt_every=2")
   full = train.run(cfg, TOKENS, TOKENS[:2000], 257)
   cut = config.replace(cfg, run={"out_dir": str(tmp_path / "cut")})
-  error, failed = _NO_SPACE[form], []
+  error, failed = type(_NO_SPACE[form])(*_NO_SPACE[form].args), []  # new: a raised one keeps what it was raised in
   save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
 
   def full_disk_save(self, step, *args, **kwargs):
-    if step != 4:
+    if step != bad:
       return save(self, step, *args, **kwargs)
     wait(self)  # as Orbax's save does first: the step before is written
     if form == "save":
@@ -296,17 +296,23 @@ def test_a_full_disk_while_saving_is_one_line_and_the_rerun_resumes(tmp_path, mo
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk_save)
   monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", full_disk_wait)
+  closed, close = [], metrics.MetricsLogger.close
+  monkeypatch.setattr(metrics.MetricsLogger, "close", lambda self: (closed.append(self), close(self)))
   capsys.readouterr()
-  assert main_lib.guarded("python -m train", False, lambda: train.run(cut, TOKENS, TOKENS[:2000], 257)) == 2
-  ckpt = os.path.join(cut.run.out_dir, "ckpt")
-  assert capsys.readouterr().err.splitlines()[-1] == (
+  assert main_lib.guarded("python -m train", True, lambda: train.run(cut, TOKENS, TOKENS[:2000], 257)) == 2
+  ckpt, kept = os.path.join(cut.run.out_dir, "ckpt"), list(range(2, bad, 2))
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1] == (
       f"python -m train: error: cannot write a checkpoint to {ckpt}: no space left on device; the finished steps "
-      f"there (2) are kept: free space and run the same command again to resume from step 2")
+      f"there ({', '.join(map(str, kept))}) are kept: free space and run the same command again to resume from "
+      f"step {kept[-1]}")
+  # --debug's traceback: the error once (closing the checkpointer raised it again, and left the metrics log open)
+  assert err.count("train.errors.UserError: cannot write a checkpoint") == 1 and len(closed) == 1, err
   assert not [r for r in caplog.records if "No space" in r.getMessage()]
-  assert checkpoint.saved_steps(ckpt) == [2]
+  assert checkpoint.saved_steps(ckpt) == kept
   monkeypatch.undo()  # space freed
   resumed = train.run(cut, TOKENS, TOKENS[:2000], 257)
-  assert resumed["losses"] == {s: full["losses"][s] for s in range(3, 7)}  # bit-identical
+  assert resumed["losses"] == {s: full["losses"][s] for s in range(bad - 1, 7)}  # bit-identical
 
 
 def test_stop_request_gives_the_second_signal_its_default_action():
