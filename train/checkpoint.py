@@ -265,6 +265,5 @@ class Checkpointer:
       with contextlib.suppress(Exception):
         self._mgr.close()
       return
-    with self._writing():
-      self._mgr.wait_until_finished()
+    self.wait()
     self._mgr.close()
