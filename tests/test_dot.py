@@ -681,15 +681,18 @@ def test_out_dtype_float32_is_the_accumulator_and_keeps_grad_dtypes(route):
   assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("gemm", ["auto", "fp8"])
 @pytest.mark.parametrize("name", ["nvfp4", "quartet2"])
-def test_huge_finite_cotangent_gives_finite_gradients(name):
+def test_huge_finite_cotangent_gives_finite_gradients(name, gemm):
   """dY entries near float32 max (apart, so that no Hadamard block sums past it) give finite gradients where the
-  exact ones are finite: under nvfp4 the SR-quantized dY's top codes once decoded to inf, making dX inf and NaN."""
+  exact ones are finite: under nvfp4 the SR-quantized dY's top codes once decoded to inf, making dX inf and NaN;
+  and the fp8 backend's GEMM (Hopper's, also run on a CPU) once multiplied its sum by dY's huge outer factor
+  before W's tiny one, which overflowed (`ieee.mul_scales`)."""
   kx, kw, kd = jax.random.split(jax.random.key(0), 3)
   x, w = jax.random.normal(kx, (M, K)) * 1e-3, jax.random.normal(kw, (K, N)) * 1e-3
   dy = jax.random.normal(kd, (M, N)).at[3, 5].set(3.3e38).at[40, 20].set(-3.3e38)
   dy = dy.at[41, 30].set(np.finfo(np.float32).max)
-  _, dx, dw = _vjp(name, x, w, dy, key=jax.random.key(1))
+  _, dx, dw = _vjp(name, x, w, dy, key=jax.random.key(1), impl=Impl(gemm=gemm))
   d64 = np.asarray(dy, np.float64)
   for got, exact in ((dx, d64 @ np.asarray(w, np.float64).T), (dw, np.asarray(x, np.float64).T @ d64)):
     got = np.asarray(got, np.float64)

@@ -172,3 +172,32 @@ def mul_scale(x: jax.Array, f: jax.Array) -> jax.Array:
   """
   lifted, shift = lift(f)
   return jnp.where(shift > 0, (x * lifted) * jnp.float32(2.0**-LIFT), x * jnp.asarray(f, jnp.float32))
+
+
+def split_pow2(f: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(m, e) with f = m * 2^e exactly, for float32 f: |m| in [1, 2) and e in [-149, 127] for finite nonzero f
+  (subnormals included: `lift` reads them from their bits, so no flush touches them); m = f and e = 0 for a
+  zero, infinite or NaN f."""
+  f = jnp.asarray(f, jnp.float32)
+  lifted, shift = lift(f)
+  bits = jax.lax.bitcast_convert_type(lifted, jnp.uint32)
+  biased = ((bits >> 23) & np.uint32(0xFF)).astype(jnp.int32)
+  m = jax.lax.bitcast_convert_type((bits & np.uint32(0x807FFFFF)) | np.uint32(0x3F800000), jnp.float32)
+  regular = (biased != 0) & (biased != 255)
+  return jnp.where(regular, m, f), jnp.where(regular, biased - 127 - shift, 0)
+
+
+def mul_scales(x: jax.Array, f: jax.Array, g: jax.Array) -> jax.Array:
+  """(x * f) * g, each product rounded once, with no overflow or underflow on the way where the result is normal.
+
+  f and g enter as m * 2^e (`split_pow2`): x is multiplied by the two m's, then by the summed power of two in
+  two halves (each partial product lies between x * m_f * m_g and the result). Where x * f is a normal float32
+  this is `mul_scale(mul_scale(x, f), g)` bit for bit (scaling by a power of two commutes with rounding in the
+  normal range); where that product overflowed (f huge, g tiny: a gradient near float32's maximum times a small
+  weight's factor) or lost bits as a subnormal, this gives the finite, correctly scaled result. Zero, infinite
+  and NaN factors multiply as themselves."""
+  mf, ef = split_pow2(f)
+  mg, eg = split_pow2(g)
+  e = ef + eg  # in [-298, 254]: halves beyond [-126, 127] only where the result is below the normal range
+  half = jnp.clip(e >> 1, -126, 127)
+  return (x * mf) * mg * pow2(half) * pow2(jnp.clip(e - half, -126, 127))

@@ -34,10 +34,19 @@ def _not_subnormal(v: np.ndarray) -> np.ndarray:
   return (v == 0) | ~(np.abs(v) < np.finfo(np.float32).tiny)
 
 
-def _numpy_div(a, b):
+def _numpy(op, a, b):
+  """numpy's IEEE float32 `op` (numpy does not flush subnormals), without its overflow warnings."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    return np.divide(a, b)  # IEEE float32 division (numpy does not flush subnormals)
+    return op(a, b)
+
+
+def _numpy_div(a, b):
+  return _numpy(np.divide, a, b)
+
+
+def _numpy_mul(a, b):
+  return _numpy(np.multiply, a, b)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -110,6 +119,30 @@ def test_div_pow2():
     want = _numpy_div(a, d)
     keep = _not_subnormal(a) & _not_subnormal(want)
     _assert_bits_equal(ieee.div_pow2(a[keep], d), want[keep])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mul_scales_is_two_products_where_they_stay_normal(seed):
+  """Every pattern of f and g (subnormal, zero, infinite, NaN ones included) against numpy's (x * f) * g,
+  wherever x * f and the result are not subnormal (XLA:CPU flushes those) and x * f did not overflow."""
+  f, g = _cases(seed)
+  x = (np.random.default_rng(seed).standard_normal(f.size) * 1e3).astype(np.float32)
+  xf = _numpy_mul(x, f)
+  want = _numpy_mul(xf, g)
+  keep = _not_subnormal(xf) & _not_subnormal(want) & ~(np.isinf(xf) & np.isfinite(f))
+  assert keep.mean() > 0.4
+  _assert_bits_equal(jax.jit(ieee.mul_scales)(x[keep], f[keep], g[keep]), want[keep])
+
+
+def test_mul_scales_has_no_overflow_or_underflow_on_the_way():
+  """A huge f with a tiny g (and the reverse, and a subnormal f) overflows or flushes x * f, not the result."""
+  x = np.array([7.2e6, -7.2e6, 1e3, 2688.0], np.float32)
+  f = np.array([1.26e35, 1.5e-6, 1e-42, 3.4e38], np.float32)
+  g = np.array([1.5e-6, 1.26e35, 1e30, 1e-37], np.float32)
+  exact = x.astype(np.float64) * f.astype(np.float64) * g.astype(np.float64)
+  got = np.asarray(jax.jit(ieee.mul_scales)(x, f, g), np.float64)
+  np.testing.assert_allclose(got, exact, rtol=2**-22)
+  assert np.isinf(_numpy_mul(_numpy_mul(x[0], f[0]), g[0]))  # what the plain products give
 
 
 @pytest.mark.gpu

@@ -16,10 +16,11 @@ KMAJOR_DOT = (((1,), (1,)), ((), ()))  # a [M, K] . b [N, K] -> [M, N]
 
 
 def apply_outer(out: jax.Array, a: Quantized, b: Quantized) -> jax.Array:
-  """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column), each
-  product rounded once also for a subnormal factor (`ieee.mul_scale`)."""
-  if a.outer is not None:
-    out = ieee.mul_scale(out, a.outer if a.outer.ndim == 0 else a.outer[:, None])
-  if b.outer is not None:
-    out = ieee.mul_scale(out, b.outer if b.outer.ndim == 0 else b.outer[None, :])
-  return out
+  """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column): each product
+  rounded once also for a subnormal factor (`ieee.mul_scale`), and with both factors, no overflow on the way
+  where the result is finite (`ieee.mul_scales`: a huge factor times a tiny one)."""
+  fa = None if a.outer is None else a.outer if a.outer.ndim == 0 else a.outer[:, None]
+  fb = None if b.outer is None else b.outer if b.outer.ndim == 0 else b.outer[None, :]
+  if fa is not None and fb is not None:
+    return ieee.mul_scales(out, fa, fb)
+  return out if fa is None and fb is None else ieee.mul_scale(out, fb if fa is None else fa)
