@@ -300,9 +300,13 @@ def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> lis
             f"recorded; running {len(todo)} of the {len(runs)} selected: {[r.key for r in todo]}\n")
   failed = []
   for r in todo:
-    if jax.process_index() == 0:
-      with lock.RunLock(r.cfg.run.out_dir, log=log):  # not under a run of it going on now
+    if jax.process_index() == 0 and os.path.isdir(r.cfg.run.out_dir):  # a missing one holds nothing to set aside
+      held = lock.RunLock(r.cfg.run.out_dir, log=log)  # not under a run of it going on now
+      held.acquire()
+      try:
         clear_scratch(r, log=log)
+      finally:  # a LOCK made here goes: run_all takes its own, and removes it again if it refuses the run
+        held.release(remove=True)
     if jax.process_count() > 1:  # every process finds the scratch directory as the first left it
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"study scratch {r.key}")

@@ -280,6 +280,22 @@ def test_a_finished_scratch_run_without_its_record_trains_again(tmp_path, monkey
   assert os.listdir(out / aside / "ckpt") == ["2"]
 
 
+def test_a_refused_run_leaves_its_scratch_directory_as_it_found_it(tmp_path):
+  """A run that train.run_all refuses before training (here: too few held-out tokens for one batch) leaves no scratch
+  folder or LOCK file of the study's own; a folder and LOCK there before (a run cut short) stay."""
+  path = _study_file(tmp_path)
+  scratch, too_few = tmp_path / "scratch", ["--set", "data.eval_fraction=0.001"]
+  assert study.main(["--config", path, "--only", "bf16:0", *too_few]) == EXIT_USER_ERROR
+  assert not scratch.exists()
+  (scratch / "bf16-seed0").mkdir(parents=True)
+  (scratch / "bf16-seed0" / "LOCK").write_text("")
+  (scratch / "bf16-seed1").mkdir()
+  for key in ("bf16:0", "bf16:1"):
+    assert study.main(["--config", path, "--only", key, *too_few]) == EXIT_USER_ERROR
+  assert os.listdir(scratch / "bf16-seed0") == ["LOCK"] and os.listdir(scratch / "bf16-seed1") == []
+  assert sorted(os.listdir(scratch)) == ["bf16-seed0", "bf16-seed1"]
+
+
 def test_a_finished_run_without_its_log_is_not_recorded_as_ok(tmp_path, monkeypatch):
   path = _study_file(tmp_path)
   monkeypatch.setattr(train, "run_all", lambda cfg, log=None: [{"route": cfg.route, "eval_loss": 4.0}])
