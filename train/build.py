@@ -101,11 +101,11 @@ def check_param_sharding(cfg: config_lib.Config, lcfg, mesh: Mesh) -> None:
                   + f"model.overrides whose sharded sizes are multiples of {split}")
 
 
-def preflight(cfg: config_lib.Config) -> tuple[list[str], list[str]]:
+def preflight(cfg: config_lib.Config) -> tuple[tuple[list[str], list[str]], tokenizers.Tokenizer]:
   """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
   the tokenizer loads, the model and route rules build, the mesh fits the devices, the batch and every sharded
   parameter dimension, and every data source names text files, none both a train and a held-out one. Returns
-  those files (`data.resolve_data`), for `data.load_splits`.
+  those files (`data.resolve_data`) and the tokenizer, for `data.load_splits`.
   (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
   lcfg = llama_config(cfg, tok.vocab_size)
@@ -127,7 +127,7 @@ def preflight(cfg: config_lib.Config) -> tuple[list[str], list[str]]:
     if os.path.lexists(ckpt) and not os.path.isdir(ckpt):
       raise UserError(f"{ckpt!r} is not a directory, where the run keeps its checkpoints: move it away or choose "
                       f"another run.out_dir")
-  return files
+  return files, tok
 
 
 def check_kernels(cfg: config_lib.Config, routes) -> None:

@@ -179,14 +179,15 @@ def read_documents(path: str) -> list[str]:
 _WORKER_TOKENIZER: tokenizers.Tokenizer | None = None
 
 
-def _init_worker(kind: str, path: str, pool: bool = True) -> None:
-  """The tokenizer of this process's `_tokenize_file` calls; a pool worker (`pool`) also dies with its parent.
+def _init_worker(kind: str, path: str, pool: bool = True, tok: tokenizers.Tokenizer | None = None) -> None:
+  """The tokenizer of this process's `_tokenize_file` calls (`tok` where it is loaded already); a pool worker
+  (`pool`) also dies with its parent.
   The training process tokenizing by itself (one worker) must not: the request would outlive tokenizing, and a
   run started from a shell or launcher that then exits was stopped by SIGTERM mid-training."""
   global _WORKER_TOKENIZER
   if pool:
     _die_with_parent()
-  _WORKER_TOKENIZER = tokenizers.get_tokenizer(kind, path)
+  _WORKER_TOKENIZER = tokenizers.get_tokenizer(kind, path) if tok is None else tok
 
 
 def _die_with_parent() -> None:
@@ -212,8 +213,10 @@ def _tokenize_file(path: str) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: int):
-  """Token arrays of `files` in order: in this process for one worker, else from a process pool.
+def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: int,
+               tok: tokenizers.Tokenizer | None = None):
+  """Token arrays of `files` in order: in this process for one worker (with `tok` where it is loaded already),
+  else from a process pool, each worker loading its own.
 
   The pool spawns (not forks): the parent may already hold JAX's threads, which fork would copy in a broken
   state. A crashed worker raises BrokenProcessPool instead of hanging. An exception in a worker (a UserError
@@ -222,7 +225,7 @@ def _map_files(kind: str, tokenizer_path: str, files: Sequence[str], workers: in
   the `if __name__ == "__main__":` guard (or data.workers=1).
   """
   if workers <= 1:
-    _init_worker(kind, tokenizer_path, pool=False)
+    _init_worker(kind, tokenizer_path, pool=False, tok=tok)
     yield map(_tokenize_file, files)
     return
   ctx = multiprocessing.get_context("spawn")
@@ -268,11 +271,12 @@ def _cache_problem(bin_path: str, meta_path: str) -> str | None:
 
 
 def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cache_dir: str, *,
-                      workers: int = 0, log=sys.stderr) -> np.ndarray:
-  """Tokenizes `files` once (cached on disk) and returns the memory-mapped token array."""
+                      workers: int = 0, log=sys.stderr, tok: tokenizers.Tokenizer | None = None) -> np.ndarray:
+  """Tokenizes `files` once (cached on disk) and returns the memory-mapped token array. `tok`: the tokenizer of
+  `kind` and `tokenizer_path`, where the caller has it loaded already (else loaded here)."""
   if not files:
     raise UserError("no data files to tokenize; give data.sources at least one file (resolve_sources)")
-  tok = tokenizers.get_tokenizer(kind, tokenizer_path)
+  tok = tokenizers.get_tokenizer(kind, tokenizer_path) if tok is None else tok
   key = _cache_key(files, tok)
   os.makedirs(cache_dir, exist_ok=True)
   bin_path, meta_path = os.path.join(cache_dir, f"{key}.bin"), os.path.join(cache_dir, f"{key}.json")
@@ -291,7 +295,7 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   _remove_stale_temporaries(bin_path, log)
   tmp = f"{_temporaries(bin_path)}{os.getpid()}"
   try:
-    with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers) as results:
+    with open(tmp, "wb") as out, _map_files(kind, tokenizer_path, files, workers, tok) as results:
       for i, arr in enumerate(results):
         out.write(arr.astype(dtype).tobytes())
         n_tokens += arr.size
@@ -434,14 +438,16 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: i
 
 
 def load_splits(data_cfg, *, files: tuple[list[str], list[str]] | None = None,
+                tok: tokenizers.Tokenizer | None = None,
                 log=sys.stderr) -> tuple[np.ndarray, np.ndarray, tokenizers.Tokenizer]:
-  """(train tokens, held-out tokens, tokenizer) for a `DataConfig`. `files`: its `resolve_data`, where the caller
-  has it already (`train.build.preflight`: resolving reads the head of every source file); None resolves here."""
-  tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path)
+  """(train tokens, held-out tokens, tokenizer) for a `DataConfig`. `files` and `tok`: its `resolve_data` and its
+  tokenizer, where the caller has them already (`train.build.preflight`: resolving reads the head of every source
+  file, and the GPT-2 ranks take ~0.3 s to load); None resolves or loads here."""
+  tok = tokenizers.get_tokenizer(data_cfg.tokenizer, data_cfg.tokenizer_path) if tok is None else tok
 
   def cached(files):
     return build_token_cache(files, data_cfg.tokenizer, data_cfg.tokenizer_path, data_cfg.cache_dir,
-                             workers=data_cfg.workers, log=log)
+                             workers=data_cfg.workers, log=log, tok=tok)
 
   files, heldout_files = resolve_data(data_cfg) if files is None else files
   tokens = cached(files)

@@ -325,7 +325,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   with contextlib.ExitStack() as held:
     locks: list[lock.RunLock] = []
     try:
-      files = build.preflight(cfg)
+      files, tok = build.preflight(cfg)
       if jax.process_index() == 0:
         for out_dir in out_dirs:
           locks.append(held.enter_context(lock.RunLock(out_dir, log=log)))
@@ -333,7 +333,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
       metrics.check_layout(cfg.run.out_dir, compare=bool(cfg.run.routes), route=cfg.route)
       for _, sub in build.route_configs(cfg):
         check_out_dir(sub)
-      splits = data.load_splits(cfg.data, files=files, log=log)
+      splits = data.load_splits(cfg.data, files=files, tok=tok, log=log)
       route_data(cfg, *splits[:2])  # the routes differ in route and out_dir only: too few tokens fail here, once
     except BaseException:  # refused (or stopped) before any route ran: the directories as the call found them
       for held_lock in reversed(locks):

@@ -23,7 +23,7 @@ from flax import nnx
 
 import cpu_devices
 from fp4jax import platform
-from train import build, checkpoint, config, data, interrupt, metrics, objective, progress, train
+from train import build, checkpoint, config, data, interrupt, metrics, objective, progress, tokenizers, train
 from train import main as main_lib
 from train.errors import UserError
 from train.main import EXIT_FAILED_RUN, main
@@ -455,6 +455,30 @@ def test_a_run_checks_the_head_of_each_source_file_once(tmp_path, monkeypatch):
     train.run_all(cfg)
   assert sorted(checked) == sorted([*cfg.data.sources, *cfg.data.eval_sources])
   assert stopped.value.args == (list(cfg.data.sources),)
+
+
+def test_a_run_loads_its_tokenizer_once(tmp_path, monkeypatch):
+  """The tokenizer (the GPT-2 ranks take ~0.3 s to load) was loaded by the preflight, by load_splits, by the token
+  cache of each split and by the tokenizing of each: up to 6 times per run. The preflight's is the one used."""
+  cfg = _corpus_cfg(tmp_path)
+  (tmp_path / "heldout.txt").write_bytes(TEXT[:4000])
+  cfg = config.replace(cfg, data={"eval_sources": (str(tmp_path / "heldout.txt"),)})
+  loads = []
+  get_tokenizer = tokenizers.get_tokenizer
+  monkeypatch.setattr(tokenizers, "get_tokenizer", lambda *a: (loads.append(a), get_tokenizer(*a))[1])
+
+  class Loaded(Exception):
+    pass
+
+  def route_data(cfg, train_tokens, eval_tokens):
+    raise Loaded(len(train_tokens), len(eval_tokens))
+
+  monkeypatch.setattr(train, "route_data", route_data)  # the run's first use of its tokens: stop there
+  for _ in range(2):  # tokenized, then read from the token cache
+    loads.clear()
+    with pytest.raises(Loaded) as stopped:
+      train.run_all(cfg)
+    assert stopped.value.args[1] == 4000 + 1 and loads == [("byte", "")]  # the held-out text and its eos
 
 
 def test_step_memory_is_the_compiled_steps_plan():
