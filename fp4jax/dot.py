@@ -87,7 +87,9 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
       and w's dtypes.
   Any M, K, N: where the route needs whole blocks (`padding_multiples`), x and w are zero-padded inside and
   the result sliced back, forward and backward, which is exact; the padded work costs its share of time.
-  Differentiable in reverse mode (jax.grad, jax.vjp: a custom_vjp); forward mode (jax.jvp) is not defined.
+  Differentiable once in reverse mode (jax.grad, jax.vjp: a custom_vjp); forward mode (jax.jvp) is not defined,
+  and a second derivative through a quantized route (grad of grad, jax.hessian) is a TypeError: its quantizers'
+  rounding has no derivative, so one would come out as zeros or noise.
   A NaN or inf input makes its whole scale unit NaN (block, 2-D tile, or tensor for per-tensor scales),
   docs/NUMERICS.md "Special values".
   Returns:
@@ -333,6 +335,21 @@ def _gemm(a: Operand, b: Operand, out_dtype, impl: Impl) -> jax.Array:
                              preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(route: str, a: jax.Array) -> jax.Array:
+  """`a` itself, for the forward with residuals and the backward of a quantized fp4_dot: JAX differentiates
+  those only for a second derivative, which would run through the quantizers (rounding, zero derivative) and
+  give zeros or noise; differentiating this raises instead."""
+  return a
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(route, primals, tangents):
+  raise TypeError(f"fp4_dot under route {route!r} is differentiable once: a second derivative (grad of grad, "
+                  f"jax.hessian, jvp of grad) would differentiate its quantizers' rounding, zeros or noise; "
+                  f"take it under route='bf16' or differentiate fp4_dot once")
+
+
 # The primal, the forward with residuals and the backward are each jitted with the plan static: a model calls
 # fp4_dot from many layers with a few distinct shapes, and each distinct (plan, shapes) is then traced and
 # lowered once (one function XLA inlines at every call site) instead of once per layer.
@@ -354,6 +371,7 @@ def _forward(plan: _Plan, x, w, key):
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
+  x, w = (_first_order_only(r.name, a) for a in (x, w))
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
   form = _form(r.fprop_x, r.fprop_w, plan.impl)  # the fprop views are read at once; the backward's are kept
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
@@ -378,6 +396,7 @@ def _forward_saving(plan: _Plan, x, w, key):
 def _backward(plan: _Plan, res, g):
   x_wgrad, w_dgrad, key = res
   r = plan.route
+  g = _first_order_only(r.name, g)
   keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
   forms = (_form(r.dgrad_dy, r.dgrad_w, plan.impl), _form(r.wgrad_x, r.wgrad_dy, plan.impl))
   dy_d, dy_w = _prepare_views(g, r.dgrad_dy, r.wgrad_dy, (keys["dgrad_dy"], keys["wgrad_dy"]), plan.impl,

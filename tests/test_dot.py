@@ -238,6 +238,25 @@ def test_jit_value_and_grad_and_remat_match_eager():
     np.testing.assert_array_equal(b, c)
 
 
+@pytest.mark.parametrize("route", ["mxfp4_rtn", "nvfp4"])
+def test_second_derivative_of_a_quantized_route_is_an_error(route):
+  """Differentiating fp4_dot's backward would differentiate its quantizers' rounding: zeros (MXFP4) or noise
+  (NVFP4's per-tensor scale) where x W W^T is the answer. Each way in is refused; bf16 is a plain dot."""
+  x, w = jnp.ones((4, 32)), jnp.ones((32, 16))
+  key = jax.random.key(0)
+  dx = lambda x, w, c=1.0: jax.grad(lambda x: jnp.sum(fp4_dot(x, w, route=route, key=key) ** 2 * c))(x)
+  second = {"grad of grad (x)": lambda: jax.grad(lambda x: jnp.sum(dx(x, w)))(x),
+            "grad of grad (w)": lambda: jax.grad(lambda w: jnp.sum(dx(x, w)))(w),
+            "through dY only": lambda: jax.grad(lambda c: jnp.sum(dx(x, w, c)))(1.0),
+            "jvp of grad": lambda: jax.jvp(lambda x: dx(x, w), (x,), (x,))}
+  for what, f in second.items():
+    with pytest.raises(TypeError, match=f"route '{route}' is differentiable once"):
+      f()
+      pytest.fail(what)
+  bf16 = jax.grad(lambda x: jnp.sum(jax.grad(lambda x: jnp.sum(fp4_dot(x, w, route="bf16") ** 2))(x)))(x)
+  np.testing.assert_array_equal(bf16, jnp.full((4, 32), 2 * 32 * 16.0))
+
+
 def test_vmap_over_examples_equals_a_loop():
   x, w, dy = _data()
   xs, dys = x.reshape(2, 64, K), dy.reshape(2, 64, N)
