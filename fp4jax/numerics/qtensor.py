@@ -72,6 +72,17 @@ class QTensor(_AlongOneAxis):
     leaves = (a for a in (self.codes, self.scales, self.outer) if a is not None)
     return sum(int(a.size) * a.dtype.itemsize for a in leaves)
 
+  def check_codes(self, what: str) -> None:
+    """A ValueError starting with `what` unless the codes have the shape that `shape`, `axis` and `fmt` give. A
+    QTensor that `jax.vmap` returns holds batched codes under one example's static shape: decoded as if
+    unbatched, its values came out in a wrong layout."""
+    kmajor = self.kmajor_shape
+    want = (*kmajor[:-1], kmajor[-1] // self.spec.element_spec.per_byte)
+    if tuple(self.codes.shape) != want:
+      raise ValueError(f"{what} a QTensor whose codes {tuple(self.codes.shape)} do not fit its shape {self.shape} "
+                       f"(axis={self.axis}, fmt={self.fmt!r}: codes {want}); a QTensor that jax.vmap returns keeps "
+                       f"one example's shape: decode it under a vmap too, jax.vmap(dequantize)(q)")
+
   def unpacked_codes(self) -> jax.Array:
     """uint8 codes, one per element, in the K-major layout `kmajor_shape` (FP8: the values' bytes)."""
     if self.spec.element_spec.per_byte == 1:

@@ -428,6 +428,7 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   if not isinstance(q, QTensor):
     what = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
     raise TypeError(f"dequantize takes a QTensor (from quantize), got {what}")
+  q.check_codes("dequantize got")
   if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
     raise ValueError(f"dequantize's dtype must be a floating-point dtype, got {jnp.dtype(dtype)}")
   check_x64(jnp.dtype(dtype), "dequantize's dtype=")

@@ -486,6 +486,20 @@ def test_invalid_call_types(call, match):
     call(jnp.ones((64, 64)))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_e4m3"])
+def test_vmapped_qtensor_dequantizes_under_vmap(fmt):
+  """jax.vmap of quantize returns batched codes under one example's static shape: dequantize outside the vmap
+  raised a reshape error deep in JAX (FP4) or returned the values transposed, (2, 64, 2) for (2, 2, 64) (FP8).
+  It is a ValueError that says to decode under a vmap, which gives each example's values."""
+  x = jax.random.normal(KEY, (2, 2, 64))
+  q = jax.vmap(lambda a: ref.quantize(a, fmt))(x)
+  match = r"codes \(2, 2, \d+\) do not fit its shape \(2, 64\).*jax.vmap\(dequantize\)"
+  with pytest.raises(ValueError, match=match):
+    ref.dequantize(q)
+  for i in range(2):
+    np.testing.assert_array_equal(jax.vmap(ref.dequantize)(q)[i], ref.dequantize(ref.quantize(x[i], fmt)))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvfp4_tile"])
 @pytest.mark.parametrize("shape, axis", [((0, 32), 1), ((4, 0), 1), ((0, 64), 0)])
 def test_empty_tensors_round_trip(fmt, shape, axis):
