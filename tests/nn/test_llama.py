@@ -358,6 +358,17 @@ def test_a_float64_dtype_without_x64_is_refused_before_anything_is_built(kwarg, 
     Llama(TINY, rules=rules, rngs=nnx.Rngs(0), **{kwarg: jnp.float64})
 
 
+@pytest.mark.parametrize("config, rules, match", [
+    ("tiny", RouteRules(()), r"^Llama takes a LlamaConfig .* got 'tiny'"),
+    (TINY, "mxfp4", r"^Llama's rules= takes a RouteRules .* got 'mxfp4'"),
+    (TINY, None, r"^Llama's rules= takes a RouteRules .* got None"),
+])
+def test_arguments_of_other_types_are_refused_by_name(config, rules, match):
+  """They failed with AttributeErrors ('str' object has no attribute 'check_depth' / 'n_layers')."""
+  with pytest.raises(TypeError, match=match):
+    Llama(config, rules=rules, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("route, groups, saves", [("bf16", [range(0, 4)], "outputs"),
                                                   ("bf16", [range(0, 4)], "operands"),
                                                   ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)], "outputs")])

@@ -102,6 +102,11 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, scan_layers: bool | str = False,
                scan_policy: SavePolicy = SCAN_SAVES):
+    if not isinstance(config, LlamaConfig):
+      raise TypeError(f"Llama takes a LlamaConfig (LlamaConfig.preset(name), LlamaConfig(...)), got {config!r}")
+    if not isinstance(rules, RouteRules):
+      raise TypeError(f"Llama's rules= takes a RouteRules (RouteRules.standard(route, n_layers=...), "
+                      f"RouteRules.parse([...])), got {rules!r}")
     if scan_layers not in (True, False, "auto"):
       raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
     # Before anything is built: the blocks' FP4Linears would refuse them only after the [V, D] embedding.
