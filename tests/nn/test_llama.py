@@ -109,6 +109,17 @@ def test_a_key_that_is_no_key_is_refused(key):
     model(_tokens(t=T), key=key)
 
 
+@pytest.mark.parametrize("tokens, match", [
+    (jnp.zeros((T,), jnp.int32), r"int32\[32\]"), (jnp.zeros((B, T, 1), jnp.int32), r"int32\[2, 32, 1\]"),
+    (jnp.zeros((B, T)), r"float32\[2, 32\]"), ([[1, 2]], "a list"),
+])
+def test_tokens_of_another_shape_or_dtype_are_refused(bf16_model, tokens, match):
+  """One sequence [T], a trailing axis, float ids, a list: "not enough values to unpack", "Input type must be an
+  integer" or an AttributeError before."""
+  with pytest.raises(ValueError, match=r"^Llama takes tokens \[B, T\] of an integer dtype, got " + match + "$"):
+    bf16_model(tokens)
+
+
 def test_forward_backward_fp4_with_keys():
   # One deep linear on a keyed route (a single FP4 linear keeps the compile short).
   model = Llama(TINY, rules=RouteRules.parse([r"layers\.1\.mlp\.up=mxfp4_sr"]), rngs=nnx.Rngs(0))

@@ -146,6 +146,9 @@ class Llama(nnx.Module):
     """tokens [B, T] int32 -> logits [B, T, V] float32. `key`: one random key per step (keyed routes)."""
     if key is not None:  # derived per linear before any fp4_dot sees it: a float or int would seed silently
       prng.check_key(key, "Llama")
+    if not hasattr(tokens, "dtype") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      got = f"{tokens.dtype}{list(tokens.shape)}" if hasattr(tokens, "dtype") else f"a {type(tokens).__name__}"
+      raise ValueError(f"Llama takes tokens [B, T] of an integer dtype, got {got}")
     _, t = tokens.shape
     if t > self.config.max_seq_len:
       raise ValueError(f"sequence length {t} exceeds {self.config.max_seq_len=}")
