@@ -86,10 +86,10 @@ class FP4Linear(nnx.Module):
         raise ValueError(f"FP4Linear's {name} takes an int >= 1, got {size!r}")
     in_features, out_features = int(in_features), int(out_features)  # NumPy ints too (a shape's entries)
     check_param_dtype(param_dtype, "FP4Linear's param_dtype=")
-    if (isinstance(kernel_sharding, str) or len(kernel_sharding) != 2
+    if (isinstance(kernel_sharding, str) or not isinstance(kernel_sharding, Sequence) or len(kernel_sharding) != 2
         or not all(a is None or isinstance(a, str) for a in kernel_sharding)):
-      raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out]), got "
-                       f"{kernel_sharding!r}")
+      raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out], e.g. "
+                       f"('fsdp', None)), got {kernel_sharding!r}")
     self.in_features = in_features
     self.out_features = out_features
     self.route = route_lib.get(route)
