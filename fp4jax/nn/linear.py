@@ -43,9 +43,13 @@ def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
 def check_param_dtype(param_dtype, what: str) -> None:
   """A ValueError starting with `what` unless `param_dtype` is a floating-point dtype that JAX holds as itself
   (float64 only with jax_enable_x64: otherwise the parameters would be float32, silently)."""
-  if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
-    raise ValueError(f"{what} takes a floating-point dtype, got {jnp.dtype(param_dtype)}")
-  check_x64(jnp.dtype(param_dtype), what)
+  try:
+    dtype = jnp.dtype(param_dtype)
+  except TypeError:  # a name NumPy does not know ("fp32")
+    raise ValueError(f"{what} takes a floating-point dtype, got {param_dtype!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{what} takes a floating-point dtype, got {dtype}")
+  check_x64(dtype, what)
 
 
 # `checkpoint_name`s of every FP4Linear's output and of the bf16 operands of its product, for `jax.checkpoint`

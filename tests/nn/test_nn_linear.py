@@ -47,6 +47,7 @@ def test_unknown_route_is_an_error():
     ({"kernel_sharding": (), "use_bias": True}, "kernel_sharding takes 2 mesh-axis names or None"),
     ({"kernel_sharding": None}, r"kernel_sharding takes 2 mesh-axis names or None \(.*\), got None$"),
     ({"param_dtype": jnp.int32}, "param_dtype= takes a floating-point dtype, got int32"),
+    ({"param_dtype": "fp32"}, "param_dtype= takes a floating-point dtype, got 'fp32'"),
     ({"param_dtype": jnp.float64}, r"param_dtype=float64 needs jax_enable_x64 \(JAX would truncate it to float32"),
 ])
 def test_bad_settings_are_named_when_the_layer_is_built(kwargs, match):
