@@ -23,7 +23,7 @@ from fp4jax import route as route_lib
 from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
-from fp4jax.numerics.spec import check_x64
+from fp4jax.numerics.spec import float_dtype
 from fp4jax.route import Route
 
 Initializer = Callable[..., jax.Array]
@@ -43,13 +43,7 @@ def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
 def check_param_dtype(param_dtype, what: str) -> None:
   """A ValueError starting with `what` unless `param_dtype` is a floating-point dtype that JAX holds as itself
   (float64 only with jax_enable_x64: otherwise the parameters would be float32, silently)."""
-  try:
-    dtype = jnp.dtype(param_dtype)
-  except TypeError:  # a name NumPy does not know ("fp32")
-    raise ValueError(f"{what} takes a floating-point dtype, got {param_dtype!r}") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{what} takes a floating-point dtype, got {dtype}")
-  check_x64(dtype, what)
+  float_dtype(param_dtype, what)
 
 
 # `checkpoint_name`s of every FP4Linear's output and of the bf16 operands of its product, for `jax.checkpoint`

@@ -59,7 +59,7 @@ from fp4jax.numerics.codecs import e2m1_decode, e2m1_encode_rne, e2m1_encode_sr,
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX, MX_E_MAX, FormatSpec, get_format
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.quantize_args import Cfg as _Cfg, check as _check
-from fp4jax.numerics.spec import EDEN_GROUP, check_x64
+from fp4jax.numerics.spec import EDEN_GROUP, float_dtype
 
 _E8M0_NAN = 0xFF
 _E4M3_NAN = 0x7F
@@ -429,9 +429,7 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
     what = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
     raise TypeError(f"dequantize takes a QTensor (from quantize), got {what}")
   q.check_codes("dequantize got")
-  if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-    raise ValueError(f"dequantize's dtype must be a floating-point dtype, got {jnp.dtype(dtype)}")
-  check_x64(jnp.dtype(dtype), "dequantize's dtype=")
+  dtype = float_dtype(dtype, "dequantize's dtype=")
   spec, vals = q.spec, q.element_values()  # [..., n]
   *lead, n = vals.shape
   if q.scales is not None:  # 2^-127 (E8M0 byte 0) is subnormal: `ieee.mul_scale` keeps it

@@ -11,6 +11,7 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fp4jax.numerics.formats import FORMATS
@@ -74,6 +75,19 @@ def check_x64(dtype: np.dtype, what: str) -> None:
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
     raise ValueError(f"{what}{dtype} needs jax_enable_x64 (JAX would truncate it to "
                      f"{jax.dtypes.canonicalize_dtype(dtype)})")
+
+
+def float_dtype(value, what: str) -> np.dtype:
+  """`value` as a NumPy dtype if it is a floating-point one that JAX holds as itself (`check_x64`); else a
+  ValueError starting with `what`, also for a name NumPy does not know ("fp32")."""
+  try:
+    dtype = np.dtype(jnp.dtype(value))
+  except TypeError:
+    raise ValueError(f"{what} takes a floating-point dtype, got {value!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{what} takes a floating-point dtype, got {dtype}")
+  check_x64(dtype, what)
+  return dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -463,6 +463,7 @@ def test_quartet2_reference_errors():
     (lambda x: ref.quantize(x, "mxfp4", axis=2), "out of range"),
     (lambda x: ref.quantize(x, "nvfp4", tensor_amax=jnp.ones(3)), r"one value .* got shape \(3,\)"),
     (lambda x: ref.dequantize(ref.quantize(x, "mxfp4"), jnp.int8), "floating-point dtype, got int8"),
+    (lambda x: ref.dequantize(ref.quantize(x, "mxfp4"), "fp32"), "floating-point dtype, got 'fp32'"),
     pytest.param(lambda x: ref.dequantize(ref.quantize(x, "mxfp4"), jnp.float64),  # was float32, silently
                  r"dequantize's dtype=float64 needs jax_enable_x64 \(JAX would truncate it to float32\)",
                  marks=pytest.mark.skipif(jax.config.jax_enable_x64, reason="float64 is float64 with x64")),
