@@ -108,11 +108,7 @@ class FP4Linear(nnx.Module):
 
   def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
-    if not hasattr(x, "ndim") or x.ndim < 1:
-      raise ValueError(f"FP4Linear takes an array x [..., {self.in_features}], got {type(x).__name__} "
-                       f"{getattr(x, 'shape', '')}")
-    if x.shape[-1] != self.in_features:
-      raise ValueError(f"input feature size {x.shape[-1]} != {self.in_features=}")
+    _check_input(x, self.in_features, "FP4Linear")
     y = _product([self], x, key)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.out_dtype)
@@ -162,11 +158,19 @@ def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | N
   if not fusable(linears):
     raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes, no bias and output "
                      f"sizes in whole blocks of the route; here {'; '.join(_unfusable(linears))}")
-  if x.shape[-1] != linears[0].in_features:
-    raise ValueError(f"input feature size {x.shape[-1]} != {linears[0].in_features=}")
+  _check_input(x, linears[0].in_features, "fused_call")
   y = checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]
   bounds = list(itertools.accumulate(m.out_features for m in linears))[:-1]
   return jnp.split(y, bounds, axis=-1)
+
+
+def _check_input(x, in_features: int, what: str) -> None:
+  """A ValueError naming `what` unless x is an array [..., in_features]."""
+  if not hasattr(x, "ndim") or x.ndim < 1:
+    raise ValueError(f"{what} takes an array x [..., {in_features}], got {type(x).__name__} "
+                     f"{getattr(x, 'shape', '')}")
+  if x.shape[-1] != in_features:
+    raise ValueError(f"input feature size {x.shape[-1]} != {what}'s in_features={in_features}")
 
 
 def _product(linears: Sequence[FP4Linear], x: jax.Array, key: jax.Array | None) -> jax.Array:

@@ -30,7 +30,7 @@ def test_shapes_dtypes_and_static_route():
 
 def test_input_size_is_checked():
   layer = FP4Linear(K, N, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="input feature size 64 != self.in_features=128"):
+  with pytest.raises(ValueError, match="input feature size 64 != FP4Linear's in_features=128"):
     layer(jnp.ones((2, 64), jnp.bfloat16))
 
 
@@ -175,6 +175,15 @@ def test_fused_call_names_what_differs(kwargs, match):
   layers = [FP4Linear(64, 64, rngs=nnx.Rngs(0)), FP4Linear(64, 64, rngs=nnx.Rngs(1), **kwargs)]
   with pytest.raises(ValueError, match=match):
     linear.fused_call(layers, jnp.zeros((2, 64), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("x, match", [(jnp.float32(1), r"^fused_call takes an array x \[\.\.\., 64\], got "),
+                                      (jnp.ones((2, 8)), r"^input feature size 8 != fused_call's in_features=64$")])
+def test_fused_call_checks_x_as_a_layer_does(x, match):
+  """A 0-d x raised an IndexError from x.shape[-1]."""
+  from fp4jax.nn import linear
+  with pytest.raises(ValueError, match=match):
+    linear.fused_call([FP4Linear(64, 64, rngs=nnx.Rngs(i)) for i in range(2)], x)
 
 
 def test_layers_whose_blocks_would_straddle_are_not_fused():
