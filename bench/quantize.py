@@ -292,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
   unknown = sorted(set(wanted) - set(VARIANTS))
   if unknown:
     raise UserError(f"bench quantize: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+  if not args.interpret and jax.default_backend() != "gpu":  # else every variant fails alike, each in a line
+    raise UserError(f"bench quantize: the fused kernels compile for a GPU (this backend: {jax.default_backend()}); "
+                    f"add --interpret for a CPU smoke run in Pallas interpret mode")
   variants = [(label, VARIANTS[label]) for label in wanted]
   print(f"devices: {jax.devices()}", flush=True)
   log: list = []

@@ -116,6 +116,16 @@ def test_bench_quantize_interpret_is_a_small_smoke_run(capsys):
   assert "128x256" in table and "16384x" not in table, table
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="off a GPU only")
+def test_bench_quantize_off_a_gpu_asks_for_interpret_mode(capsys):
+  """Without --interpret the kernels compile for a GPU: off one, that is one line and exit status 2 before any
+  work, not a FAILED row per variant (each failing alike) and exit status 1."""
+  assert main(["quantize", "--shapes", "64x128", "--variants", "rne/ocp"]) == 2
+  out, err = capsys.readouterr()
+  assert "FAILED" not in out and err.strip().count("\n") == 0, (out, err)
+  assert re.search(r"fused kernels compile for a GPU \(this backend: cpu\); add --interpret", err), err
+
+
 def test_bench_quantize_rejects_unknown_variants_and_knows_the_gpu_script_ones(capsys):
   assert main(["quantize", "--interpret", "--variants", "rne/ocp,nv rne|rnee"]) == 2  # not 1: a failed check
   assert re.search(r"unknown variants \['nv rne\|rnee'\]", capsys.readouterr().err)
