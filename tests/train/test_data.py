@@ -38,6 +38,10 @@ def test_documents_and_sources(tmp_path):
   assert data.resolve_sources([str(tmp_path / "*.txt*"), files[2]]) == files
   with pytest.raises(UserError, match=r"data.sources: '.*\*.md' matches no files .*; fix the path or glob"):
     data.resolve_sources([str(tmp_path / "*.md")])
+  (tmp_path / "texts").mkdir()
+  with pytest.raises(UserError, match=r"data.sources: '.*texts' is a directory; name its files with a glob, e.g. "
+                                      r"'.*texts/\*' \('.*texts/\*\*/\*' with its subfolders' files\)$"):
+    data.resolve_sources([str(tmp_path / "texts")])  # not "matches no files": it is there
   (tmp_path / "empty.txt").write_text("")
   with pytest.raises(UserError, match=r"data.sources: .*empty.txt is empty; fill it or remove it"):
     data.resolve_sources([str(tmp_path / "empty.txt")])  # was "cannot mmap an empty file" after tokenizing
