@@ -61,6 +61,7 @@ PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 DEFAULT_ROUTES = ("bf16", "fp8", flax_fp8.NAME, "mxfp4", "mxfp4_h32", "nvfp4")
+TOP = 15  # --profile: the kernels and GEMMs the JSON lists
 
 
 def _flax_in_one_pass() -> UserError:
@@ -91,8 +92,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="split each step's batch into N sequential passes, gradients averaged (train's "
                            "data.microbatches; default: %(default)s)")
   parser.add_argument("--profile", action="store_true", help="add the time breakdown by category")
-  parser.add_argument("--top", type=args_lib.int_at_least(1), default=15, metavar="N",
-                      help="with --profile: how many kernels and GEMMs the JSON lists (default: %(default)s)")
+  parser.add_argument("--top", type=args_lib.int_at_least(1), metavar="N",
+                      help=f"with --profile: how many kernels and GEMMs the JSON lists (default: {TOP})")
   parser.add_argument("--out", type=args_lib.out_file, help="write the rows as JSON to this file (replaced)")
   parser.add_argument("--hlo", metavar="DIR", type=args_lib.out_dir,
                       help="write each route's compiled step (optimized HLO text) here")
@@ -249,9 +250,9 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
     row["breakdown_s"] = {k: v / 3 for k, v in seconds.items()}
     row["unattributed_top"] = [(op, kernel, s / 3) for op, kernel, s in unattributed]
     row["top_kernels"] = [(category, kernel, s / 3)
-                          for category, kernel, s in breakdown.top_kernels(attributed, args.top)]
+                          for category, kernel, s in breakdown.top_kernels(attributed, args.top or TOP)]
     row["top_gemms"] = [(category, signature, kernel, s / 3) for category, signature, kernel, s
-                        in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text), args.top)]
+                        in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text), args.top or TOP)]
     _progress(route, f"profiled in {time.perf_counter() - t_profile:.0f} s")
   del state
   return row
@@ -312,6 +313,8 @@ def _check(args: argparse.Namespace) -> None:
           f"--microbatches {args.microbatches}", flush=True)
   if args.scan_saves != "outputs" and not args.scan:
     raise UserError("bench step: --scan-saves chooses what scanned blocks keep; add --scan (or --scan auto)")
+  if args.top is not None and not args.profile:
+    raise UserError("bench step: --top sets how many kernels and GEMMs --profile lists; add --profile")
   build.check_impl(Impl(gemm=args.gemm), [r for r in args.routes if r != flax_fp8.NAME], "bench step: --gemm")
 
 

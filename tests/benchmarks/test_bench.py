@@ -138,7 +138,7 @@ def test_step_with_microbatches_leaves_flax_fp8_out_of_its_default_routes(capsys
   """Flax's FP8 op runs in one pass: with --microbatches the default routes go on without it (said so), where it
   stopped the run with a usage error after the routes before it had run."""
   args = argparse.Namespace(tokens=(4, 16), microbatches=2, routes=list(step.DEFAULT_ROUTES), scan=False,
-                            scan_saves="outputs", gemm="auto")
+                            scan_saves="outputs", gemm="auto", top=None, profile=False)
   step._check(args)
   assert args.routes == [r for r in step.DEFAULT_ROUTES if r != "flax_fp8"]
   assert "flax_fp8 left out of the default routes" in capsys.readouterr().out
@@ -178,6 +178,8 @@ def test_cli_errors():
     (["program", "--small", "--routes", "bf16"], "bf16 lowers no quantizer or FP4 GEMM"),
     (["triton", "--shape", "32x32", "eden amax rht128"], "kernel 'eden amax rht128' does not take --shape 32x32"),
     (["step", "--preset", "tiny", "--scan-saves", "operands", "--routes", "bf16"], "--scan-saves .* add --scan"),
+    (["step", "--preset", "tiny", "--top", "5", "--routes", "bf16"],
+     "--top sets how many kernels and GEMMs --profile lists; add --profile"),
     (["compile", "--step", "tiny", "--h200", "--hlo", "x", "--routes", "mxfp4"], "--hlo writes compiled programs"),
     (["compile", "--step", "tiny", "--h200", "--passes", "3", "--routes", "mxfp4"], "--h200 only lowers"),
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
