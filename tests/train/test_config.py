@@ -117,6 +117,8 @@ def test_kernels_section_reaches_every_linear():
     ("rope_scaling={original_max_position: 0}", r"model.overrides.rope_scaling.original_max_position=0 must be >= 1"),
     ("rope_scaling={low_freq_factor: 5}", r"model.overrides.rope_scaling=\{'low_freq_factor': 5\}: .*must exceed"),
     ("rope_scaling={factr: 2}", r"unknown key\(s\) \['model.overrides.rope_scaling.factr'\].*'factor'"),
+    ("attention_impl=flash",  # was "model.overrides={...the whole dict...}: unknown self.attention_impl='flash'"
+     r"^model.overrides.attention_impl='flash' must be one of \['auto', 'xla', 'cudnn', None\]$"),
 ])
 def test_model_override_errors(override, match):
   test_errors("model.overrides." + override, match)

@@ -104,7 +104,7 @@ class LlamaConfig:
     if self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim=}")
     if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"unknown {self.attention_impl=}; valid: {ATTENTION_IMPLS}")
+      raise FieldError("LlamaConfig", "attention_impl", self.attention_impl, f"one of {list(ATTENTION_IMPLS)}")
 
   @property
   def head_dim(self) -> int:
