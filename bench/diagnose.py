@@ -28,6 +28,10 @@ from train.errors import UserError
 
 DEFAULT_ROUTES = ("mxfp4", "mxfp4_h32", "nvfp4", "nvfp4_tile_local", "quartet2")
 DEFAULT_LINEARS = ("layers.0.attn.q", "layers.0.mlp.down")
+# The defaults of the options that one kind of input reads: they parse as None when not given, so that one given
+# to an input that does not read it is refused (`_check_options`) rather than ignored.
+MODEL_DEFAULTS = {"preset": "tiny", "tokens": (4, 64), "linears": list(DEFAULT_LINEARS)}
+STRESS_SHAPE = (128, 256, 128)
 _COLUMNS = (("rel_sq_error", "relsq_err", ".2e"), ("zero_fraction", "zero", ".4f"), ("clip_fraction", "clip", ".4f"),
             ("cosine", "cosine", ".5f"), ("rel_error", "rel_err", ".4f"), ("bias", "bias", ".4f"),
             ("unbiased_bias", "unbiased", ".4f"), ("deterministic", "det", ""))
@@ -36,20 +40,19 @@ _COLUMNS = (("rel_sq_error", "relsq_err", ".2e"), ("zero_fraction", "zero", ".4f
 def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--routes", nargs="+", type=args_lib.route(), default=list(DEFAULT_ROUTES),
                       help="routes (default: %(default)s)")
-  parser.add_argument("--preset", type=args_lib.preset, default="tiny",
-                      help="Llama preset, random init on random tokens (default: %(default)s)")
-  parser.add_argument("--tokens", type=args_lib.tokens, default="4x64",
-                      help="--preset's batch BATCHxSEQ (default: %(default)s)")
-  parser.add_argument("--linears", nargs="+", default=list(DEFAULT_LINEARS),
-                      help="module paths of the linears to capture, or 'all' (default: %(default)s)")
+  parser.add_argument("--preset", type=args_lib.preset,
+                      help=f"Llama preset, random init on random tokens (default: {MODEL_DEFAULTS['preset']})")
+  parser.add_argument("--tokens", type=args_lib.tokens,
+                      help="--preset's batch BATCHxSEQ (default: {}x{})".format(*MODEL_DEFAULTS["tokens"]))
+  parser.add_argument("--linears", nargs="+",
+                      help=f"module paths of the linears to capture, or 'all' (default: {MODEL_DEFAULTS['linears']})")
   parser.add_argument("--run", metavar="DIR",
                       help="a trained model instead: a `python -m train` run directory (its config.yaml and newest "
                            "checkpoint), on the first BATCH windows of its held-out data (--tokens BATCHxSEQ; "
                            "SEQ is the run's own data.seq_len)")
   parser.add_argument("--stress", action="store_true", help="synthetic stress inputs instead of a model")
-  parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, default=(128, 256, 128),
-                      metavar=("M", "K", "N"),
-                      help="--stress's linear shape (default: %(default)s)")
+  parser.add_argument("--shape", type=args_lib.int_at_least(1), nargs=3, metavar=("M", "K", "N"),
+                      help=f"--stress's linear shape (default: {STRESS_SHAPE})")
   parser.add_argument("--samples", type=args_lib.int_at_least(1), default=16,
                       help="keys the GEMM bias is averaged over (default: 16)")
   parser.add_argument("--seed", type=args_lib.seed, default=0)
@@ -145,18 +148,35 @@ def _named_linears(inputs_fn, *args):
     raise UserError(f"bench diagnose: --linears: {e}") from e
 
 
+def _check_options(args: argparse.Namespace) -> None:
+  """A UserError naming the options given that the chosen input does not read."""
+  if args.stress:
+    unread, where = ("preset", "tokens", "linears"), "with --stress (they pick a model's linears)"
+  elif args.run:
+    unread, where = ("preset", "shape"), "with --run (its model is the run's own)"
+  else:
+    unread, where = ("shape",), "without --stress (it is --stress's linear shape)"
+  given = [f"--{name}" for name in unread if getattr(args, name) is not None]
+  if given:
+    raise UserError(f"bench diagnose: {', '.join(given)} not read {where}; drop {'them' if given[1:] else 'it'}")
+
+
 def run(args: argparse.Namespace) -> None:
   """Prints the diagnostics table; writes JSON and a plot under --out."""
   if args.stress and args.run:
     raise UserError("bench diagnose: --stress and --run are two different inputs; give one")
+  _check_options(args)
   if args.stress:
-    inputs = diagnostics.stress_cases(*args.shape, seed=args.seed)
-    source = f"stress {tuple(args.shape)}"
-  elif args.run:
-    inputs, source = _named_linears(run_inputs, args.run, args.tokens, args.linears, args.seed)
+    shape = args.shape or STRESS_SHAPE
+    inputs = diagnostics.stress_cases(*shape, seed=args.seed)
+    source = f"stress {tuple(shape)}"
   else:
-    inputs = _named_linears(model_inputs, args.preset, args.tokens, args.linears, args.seed)
-    source = f"Llama {args.preset} (random init) on {args.tokens[0]}x{args.tokens[1]} random tokens"
+    preset, tokens, linears = (getattr(args, name) or value for name, value in MODEL_DEFAULTS.items())
+    if args.run:
+      inputs, source = _named_linears(run_inputs, args.run, tokens, linears, args.seed)
+    else:
+      inputs = _named_linears(model_inputs, preset, tokens, linears, args.seed)
+      source = f"Llama {preset} (random init) on {tokens[0]}x{tokens[1]} random tokens"
   print(f"bench diagnose: {source}, {args.samples} samples, {jax.devices()[0].platform}", flush=True)
   key = jax.random.key(args.seed)
   rows = []

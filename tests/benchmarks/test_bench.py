@@ -189,6 +189,13 @@ def test_cli_errors():
      r"--shapes 3 is no shape; the --small shapes are 0: up"),
     (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
      r"--linears: no FP4Linear at \['layers.0.attn.qq'\]"),
+    # Options the chosen input does not read, which it ignored
+    (["diagnose", "--stress", "--tokens", "2x64", "--linears", "all", "--routes", "mxfp4"],
+     r"--tokens, --linears not read with --stress \(they pick a model's linears\); drop them$"),
+    (["diagnose", "--run", "runs/x", "--preset", "30m", "--routes", "mxfp4"],
+     r"--preset not read with --run \(its model is the run's own\); drop it$"),
+    (["diagnose", "--shape", "64", "64", "64", "--routes", "mxfp4"],
+     r"--shape not read without --stress \(it is --stress's linear shape\); drop it$"),
     (["step", "--preset", "tiny", "--tokens", "2x16", "--attention", "cudnn", "--routes", "bf16"], "cudnn needs a GPU"),
     (["step", "--preset", "tiny", "--tokens", "3x16", "--microbatches", "2", "--routes", "bf16"],
      "batch of 3 sequences does not split into --microbatches 2 equal passes"),
