@@ -9,6 +9,7 @@ from bench import args as args_lib
 from bench import compile as compile_bench
 from bench import diagnose, dot, program, quantize, step, triton
 from fp4jax import platform
+from train.errors import UserError
 from train.main import enable_compilation_cache, guarded
 
 # name -> (module with add_args(parser) and run(args), help)
@@ -21,6 +22,8 @@ SUBCOMMANDS = {
     "triton": (triton, "Triton compile time of the Pallas kernels (CPU, no GPU needed)"),
     "diagnose": (diagnose, "route diagnostics: operand errors, zero and clip fractions, GEMM cosine and bias"),
 }
+
+KERNELS_FIRST = ("compile", "step")  # the subcommands that read --kernels-first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
 
   def run():
+    if args.kernels_first != "off" and args.command not in KERNELS_FIRST:
+      raise UserError(f"--kernels-first is read by bench {' and '.join(KERNELS_FIRST)} (the programs they compile); "
+                      f"bench {args.command} compiles without it: drop it")
     enable_compilation_cache(args.compile_cache, "--compile-cache")
     return SUBCOMMANDS[args.command][0].run(args) or 0
   # A UserError (e.g. `diagnose --run` on a directory that is no run) is one line and exit status 2, as in train.

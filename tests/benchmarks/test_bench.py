@@ -178,6 +178,8 @@ def test_cli_errors():
     (["program", "--small", "--routes", "bf16"], "bf16 lowers no quantizer or FP4 GEMM"),
     (["triton", "--shape", "32x32", "eden amax rht128"], "kernel 'eden amax rht128' does not take --shape 32x32"),
     (["step", "--preset", "tiny", "--scan-saves", "operands", "--routes", "bf16"], "--scan-saves .* add --scan"),
+    (["--kernels-first", "on", "dot", "--small", "--routes", "bf16"],
+     "--kernels-first is read by bench compile and step .*; bench dot compiles without it: drop it"),
     (["step", "--preset", "tiny", "--top", "5", "--routes", "bf16"],
      "--top sets how many kernels and GEMMs --profile lists; add --profile"),
     (["compile", "--step", "tiny", "--h200", "--hlo", "x", "--routes", "mxfp4"], "--hlo writes compiled programs"),
