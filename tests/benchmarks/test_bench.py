@@ -207,8 +207,9 @@ def test_cli_errors():
                  "--gemm: the mosaic GEMM backend compiles for a Hopper GPU",  # it failed after bf16's row
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU backend runs it")),
 ])
-def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
   """Input mistakes are a one-line error and exit status 2 (1 means a failed check), never a traceback."""
+  monkeypatch.chdir(tmp_path)  # the output folders some of them name (--hlo x) are made while parsing
   assert main(["--compile-cache", "off", *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and re.search(message, err), err
