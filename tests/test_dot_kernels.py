@@ -209,6 +209,14 @@ for route in ("nvfp4", "nvfp4_tile_local", "nvfp4_sr", "quartet2", "mxfp4", "fp8
 """
 
 
+def _compile_for_h200(code: str, flags: str) -> None:
+  """Runs `code` (it compiles programs for `compile_bench._deviceless_h200`) in a fresh process with XLA `flags`."""
+  env = {**os.environ, "XLA_FLAGS": f"--xla_gpu_autotune_level=0 {flags}", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
 def test_h200_programs_hold_no_approximate_math(tmp_path):
   """The PTX that XLA:GPU compiles for an H200 (no GPU needed) of fp4_dot's forward and backward, kernels and
@@ -217,11 +225,7 @@ def test_h200_programs_hold_no_approximate_math(tmp_path):
   broke the kernels' bits on the H200 (docs/BENCHMARKS.md, "H200 session of 2026-12-05"). And the Pallas
   kernels' float32 arithmetic keeps subnormals (no `.ftz` instruction), as `pallas.nvfp4`'s exactness argument
   needs."""
-  flags = f"--xla_gpu_autotune_level=0 --xla_dump_to={tmp_path} --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*"
-  env = {**os.environ, "XLA_FLAGS": flags, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
-  done = subprocess.run([sys.executable, "-c", _H200_PTX], capture_output=True, text=True, env=env,
-                        cwd=pathlib.Path(__file__).resolve().parents[1])
-  assert done.returncode == 0, done.stderr[-2000:]
+  _compile_for_h200(_H200_PTX, f"--xla_dump_to={tmp_path} --xla_gpu_dump_llvmir=true --xla_dump_emitter_re=.*")
   modules = [p.read_text() for p in tmp_path.glob("*.ptx")]
   ptx = "\n".join(modules)
   assert "div.rn.f64" in ptx  # the PTX was read: ieee.div's float64 division is there
@@ -231,3 +235,34 @@ def test_h200_programs_hold_no_approximate_math(tmp_path):
   names = {re.search(r"\.entry (fp4jax_[a-z0-9]+_?[a-z]*)", m).group(1).rstrip("_") for m in kernels}
   assert {"fp4jax_nvfp4_quantize", "fp4jax_mxfp4_quantize", "fp4jax_eden_quantize", "fp4jax_rotated_amax"} <= names
   assert not any(".ftz" in m for m in kernels)
+
+
+_H200_ROUNDED = """
+import jax, jax.numpy as jnp
+from bench import compile as compile_bench
+from fp4jax import Impl, fp4_dot
+key = jax.eval_shape(lambda: jax.random.key(0))
+mesh = compile_bench._deviceless_h200()
+for impl in (Impl(quantizer="interpret"), Impl(quantizer="xla")):
+  def f(x, w, dy, key, impl=impl):  # x and dY: bf16 rounded from float32 in the program
+    y, vjp = jax.vjp(lambda x, w: fp4_dot(x, w, route="nvfp4", key=key, impl=impl), (x * 3).astype(jnp.bfloat16), w)
+    return y, *vjp((dy * 3).astype(jnp.bfloat16))
+  args = [jax.ShapeDtypeStruct(s, t) for s, t in (((64, 64), jnp.float32), ((64, 32), jnp.bfloat16),
+                                                  ((64, 32), jnp.float32))] + [key]
+  with jax.set_mesh(mesh):
+    jax.jit(f).trace(*compile_bench._on(mesh, args)).lower().compile()
+"""
+
+
+@pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
+def test_h200_quantizers_read_bf16_operands_rounded(tmp_path):
+  """x and dY made in the program as bf16 from float32: in the H200 programs of the XLA quantizers and of the
+  kernels in interpret mode, XLA:GPU's simplify-fp-conversions pass removes no convert of an operand (it dropped
+  the float32 -> bf16 -> float32 pairs, `--xla_allow_excess_precision`): both quantize the bf16 values, as the
+  compiled kernels do. On a GPU host interpret mode had differed from XLA in 12-49% of a gradient's elements."""
+  _compile_for_h200(_H200_ROUNDED, f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=simplify-fp-conversions")
+  converts = lambda path: len(re.findall(r"= \w+\[\d+,\d+\]\{[^}]*\} convert\(", path.read_text()))  # 2-D
+  passes = sorted(tmp_path.glob("*simplify-fp-conversions*.txt"))
+  pairs = [(a, b) for a, b in zip(passes, passes[1:]) if a.name.endswith(".before_simplify-fp-conversions.txt")]
+  assert len(pairs) >= 2 and all(".after_simplify-fp-conversions." in b.name for _, b in pairs)
+  assert [converts(a) - converts(b) for a, b in pairs] == [0] * len(pairs)

@@ -29,11 +29,21 @@ _SUBNORMAL_UNITS = 2.0**149  # float32 subnormals are integer multiples of 2^-14
 def to_float32(x: jax.Array) -> jax.Array:
   """x as float32, the quantizers' working precision. A float64 x (jax_enable_x64) is rounded once; its finite
   values beyond float32's range saturate to +-3.4028235e38, where the cast alone would make them inf and their
-  blocks NaN (inf and NaN stay). Narrower float dtypes convert exactly."""
+  blocks NaN (inf and NaN stay). Narrower float dtypes convert exactly; bf16 from its bits (`bf16_to_f32`)."""
   if x.dtype == jnp.float64:
     top = jnp.float64(np.finfo(np.float32).max)
     x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
-  return x.astype(jnp.float32)
+  return bf16_to_f32(x) if x.dtype == jnp.bfloat16 else x.astype(jnp.float32)
+
+
+def bf16_to_f32(x: jax.Array) -> jax.Array:
+  """A bf16 x as float32, from its stored bits (the high half of a float32). XLA:GPU drops a float32 -> bf16 ->
+  float32 convert pair (`--xla_allow_excess_precision`, on by default), so `x.astype(jnp.float32)` of a bf16 x
+  computed from float32 in the same program (a cotangent dY cast to the output's dtype) gave the quantizers
+  the unrounded float32, and their codes differed from the kernels', which read x's bits
+  (`tests/test_dot_kernels.py` reads an H200 program for dropped pairs)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def div(a: jax.Array, b: jax.Array, *, b_normal: bool = False, normal_result: bool = False) -> jax.Array:

@@ -311,7 +311,12 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
     """The launch, its outputs varying over every mesh axis an input varies over (inside `jax.shard_map`, whose
     type check needs each output's; the inputs are made to vary alike): the kernel maps tiles to tiles. In
     interpret mode there a NotImplementedError (the next implementation, XLA's, gives the same bits): JAX 0.11.2
-    runs the kernel body on the varying inputs with replicated program ids, which its type check refuses."""
+    runs the kernel body on the varying inputs with replicated program ids, which its type check refuses.
+    In interpret mode the inputs pass an optimization barrier: a launch reads its inputs' stored bits, but a
+    kernel body compiled with the program around it lets XLA:GPU drop a float32 -> bf16 -> float32 convert
+    pair across the boundary (`ieee.bf16_to_f32`), and a bf16 x made in the program reached it unrounded."""
+    if kwargs.get("interpret"):
+      args = jax.lax.optimization_barrier(args)
     args = platform.vary_alike(*args)
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
     if not varying:
