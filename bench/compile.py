@@ -172,14 +172,14 @@ def inlined_size(hlo_text: str) -> int:
   return size(entry) if entry else 0
 
 
-_FUSION = re.compile(r"^\s*%?([\w.\-]+) = .*? fusion\(")
+_FUSION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? fusion\(")
 
 
 def xla_kernels(compiled_hlo_text: str) -> int:
   """Distinct kernels XLA generates for a compiled program's fusions (text of `compiled.as_text()`): one per
-  fusion, less those marked `deduplicated_name` (they launch another fusion's kernel). Each is lowered and run
-  through ptxas on the first call, so the count tracks the compile phase's code generation (docs/BENCHMARKS.md,
-  "CPU session of 2026-12-04")."""
+  fusion, a computation's ROOT among them, less those marked `deduplicated_name` (they launch another fusion's
+  kernel). Each is lowered and run through ptxas on the first call, so the count tracks the compile phase's code
+  generation (docs/BENCHMARKS.md, "CPU session of 2026-12-04")."""
   names = set()
   for line in compiled_hlo_text.splitlines():
     m = _FUSION.match(line)

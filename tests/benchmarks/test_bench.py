@@ -79,8 +79,9 @@ def test_compile_events_single_events_sum_to_the_totals():
 
 
 def test_xla_kernels_counts_fusions_once_each():
-  """`xla_kernels`: a fusion marked deduplicated_name launches another's kernel; tuple-shaped fusions count; the
-  fused computations' own instructions and custom calls do not. On a real compile: at least one kernel."""
+  """`xla_kernels`: a fusion marked deduplicated_name launches another's kernel; tuple-shaped fusions and a ROOT
+  fusion count (XLA:GPU compiled the program below into one, which counted 0); the fused computations' own
+  instructions and custom calls do not. On a real compile: at least one kernel."""
   text = "\n".join([
       "%fused_add (p: f32[4]) -> f32[4] {",
       "  ROOT %add.1 = f32[4]{0} add(%p, %p)",
@@ -91,8 +92,9 @@ def test_xla_kernels_counts_fusions_once_each():
       'metadata={deduplicated_name="loop_add_fusion"}',
       '  %input_reduce_fusion = (f32[], f32[4]{0}) fusion(%a), kind=kInput, calls=%fused_reduce',
       '  %cublas-gemm.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(%a), custom_call_target="__cublas$gemm"',
+      '  ROOT %triton_softmax.1 = f32[4]{0} fusion(%a), kind=kCustom, calls=%triton_softmax_computation.1',
       "}"])
-  assert compile_bench.xla_kernels(text) == 2
+  assert compile_bench.xla_kernels(text) == 3
   compiled = jax.jit(lambda a: jnp.sin(a) + jnp.sum(a)).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower()
   assert compile_bench.xla_kernels(compiled.compile().as_text()) >= 1
 
