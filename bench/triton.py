@@ -148,14 +148,16 @@ def ptx_fingerprint(ptx: str) -> str:
 
 
 def ptxas_usage(ptx: str) -> tuple[int, int]:
-  """(registers per thread, spill-store bytes) that the `triton` package's ptxas reports for sm_90a PTX."""
-  from triton.backends.nvidia.compiler import get_ptxas  # pylint: disable=g-import-not-at-top
+  """(registers per thread, spill-store bytes) that the `triton` package's ptxas reports for sm_90a PTX. The
+  package's tool settings (`triton.knobs`) name it: `get_ptxas()` of 3.5.1 returns that setting, and later
+  versions (a PyTorch install's) take the target architecture, `get_ptxas(arch)`, returning it below sm_100."""
+  from triton import knobs  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "kernel.ptx")
     with open(path, "w") as f:
       f.write(ptx)
-    report = subprocess.run([get_ptxas().path, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True,
-                            text=True, check=True).stderr
+    report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
   registers, spills = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
   return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else 0
 

@@ -291,6 +291,17 @@ def test_triton_reports_instructions_and_registers(capsys):
   assert int(instructions) > 100 and 0 < int(registers) <= 255, out
 
 
+def test_ptxas_usage_with_a_later_triton(monkeypatch):
+  """`triton` after 3.5.1 (a PyTorch install's) takes the target in `get_ptxas(arch)`: `bench triton` called
+  `get_ptxas()` and failed with a TypeError on such a GPU host. Both versions name ptxas in `triton.knobs`."""
+  compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+  monkeypatch.setattr(compiler, "get_ptxas", lambda arch: compiler.knobs.nvidia.ptxas)  # the later signature
+  ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k(.param .u64 p) {\n .reg .b64 %rd<2>;\n" \
+        " ld.param.u64 %rd1, [p];\n ret;\n}\n"
+  registers, spills = triton.ptxas_usage(ptx)
+  assert registers > 0 and spills == 0
+
+
 def test_program_lowers_for_an_h200_without_one(capsys):
   """`python -m bench program`: the H200 program of fp4_dot (Pallas kernels, FP8 GEMMs writing bf16) from a
   CPU-only machine; its fingerprint ignores SSA names and locations, and is the same on every lowering."""
