@@ -1,5 +1,6 @@
-"""Shared pytest set-up: CPU by default, float32 matmuls at full precision, GPU tests skipped without a GPU, and
-the apps' XLA flags (set before the first backend starts, as `python -m train` and `python -m bench` do)."""
+"""Shared pytest set-up: float32 matmuls at full precision, GPU tests skipped without a GPU, the apps' XLA flags
+(set before the first backend starts, as `python -m train` and `python -m bench` do), and the `cpu_backend`
+fixture for tests of what fp4jax does off a GPU."""
 
 import jax
 import pytest
@@ -27,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_backend(monkeypatch):
+  """`jax.default_backend()` reads "cpu" in the test, on any host: fp4jax's choices and refusals off a GPU (the
+  quantizers, attention, GEMM backends and their errors) are what it tests. Arrays still live on the host's
+  devices."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")

@@ -380,7 +380,7 @@ def test_empty_operands_give_the_empty_product(shape_x, shape_w, name):
     np.testing.assert_array_equal(g, e)
 
 
-def test_impl_choices_and_errors():
+def test_impl_choices_and_errors(cpu_backend):
   x, w, _ = _data()
   with pytest.raises(ValueError, match="unknown GEMM backend 'nope'.*emulated"):
     Impl(gemm="nope")

@@ -13,12 +13,15 @@ import pytest
 from flax import nnx
 
 import cpu_devices
+from bench import compile as compile_bench
+from fp4jax import Impl
 from fp4jax.nn import RouteRules, linear
 from fp4jax.nn.llama import PRESETS, Llama, Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.llama import layers, model as model_lib
 from fp4jax.nn.llama.model import SCAN_POLICIES
 
 TINY = LlamaConfig.preset("tiny")
+EMULATED = Impl(gemm="emulated")
 B, T = 2, 32
 
 
@@ -26,9 +29,9 @@ def _tokens(seed=0, t=T):
   return jax.random.randint(jax.random.key(seed), (B, t), 0, TINY.vocab_size, jnp.int32)
 
 
-def _model(config=TINY, route="bf16", **kw):
+def _model(config=TINY, route="bf16", impl=Impl(), **kw):
   rules = RouteRules.standard(route, n_layers=config.n_layers, **kw)
-  return Llama(config, rules=rules, rngs=nnx.Rngs(0))
+  return Llama(config, rules=rules, rngs=nnx.Rngs(0), impl=impl)
 
 
 @pytest.fixture(scope="module")
@@ -441,20 +444,31 @@ def test_scanned_blocks_save_only_bf16_activations_and_quantized_operands(route)
     assert sorted(operands) == sorted(stacked), (operands, stacked)
 
 
-def test_attention_auto_is_xla_off_gpu_and_falls_back_without_cudnn():
-  """attention_impl="auto": XLA's attention on CPU (bit for bit); lowering for an H200 on a machine without
-  cuDNN takes the cuDNN path, which refuses at trace time, so it warns and uses XLA's."""
+def _qkv():
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(kq, (2, 16, 4, 32), jnp.bfloat16)
-  k, v = (jax.random.normal(kk_, (2, 16, 2, 32), jnp.bfloat16) for kk_ in (kk, kv))
+  return (q, *(jax.random.normal(kk_, (2, 16, 2, 32), jnp.bfloat16) for kk_ in (kk, kv)))
+
+
+def test_attention_auto_is_xla_off_gpu(cpu_backend):
+  """attention_impl="auto" where JAX's default backend is not a GPU: XLA's attention, bit for bit."""
+  q, k, v = _qkv()
   np.testing.assert_array_equal(layers.attention(q, k, v, "auto"), layers.attention(q, k, v, "xla"))
+  with pytest.raises(ValueError, match=r"LlamaConfig.attention_impl='flash' must be one of \['auto', 'xla', "):
+    dataclasses.replace(TINY, attention_impl="flash")
+
+
+@pytest.mark.skipif(compile_bench.cuda_plugin_installed(), reason="JAX's CUDA plugin brings cuDNN, whose call lowers "
+                    "only with a device")
+def test_attention_auto_falls_back_without_cudnn():
+  """Lowering for an H200 on a machine without cuDNN takes the cuDNN path, which refuses at trace time, so it
+  warns and uses XLA's attention."""
+  q, k, v = _qkv()
   from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
   mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
   with use_abstract_mesh(mesh):
     with pytest.warns(UserWarning, match="cuDNN attention unavailable"):
       jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto")).trace(q, k, v).lower(lowering_platforms=("cuda",))
-  with pytest.raises(ValueError, match=r"LlamaConfig.attention_impl='flash' must be one of \['auto', 'xla', "):
-    dataclasses.replace(TINY, attention_impl="flash")
 
 
 def _dots_per_forward(model, tokens):
@@ -472,10 +486,11 @@ def test_fused_linears_are_one_product_with_the_same_parameters(route):
   """fuse_linears (the default) runs q|k|v and gate|up as one product each: 4 GEMMs per block instead of 7, the
   same parameter tree, and the same forward numbers up to the order of the GEMM's sums (x and each kernel column
   quantize alike: RNE, per-block scales along K); the gradients differ as that, the fused dX sums and a keyed
-  dY do."""
+  dY do. The emulated GEMM on every device: `_dots_per_forward` counts its dot_general (on Hopper the fp8
+  backend's GEMM is a cond of two)."""
   config = dataclasses.replace(TINY, attention_impl="xla", n_layers=1)
-  fused = _model(config, route)
-  unfused = _model(dataclasses.replace(config, fuse_linears=False), route)
+  fused = _model(config, route, EMULATED)
+  unfused = _model(dataclasses.replace(config, fuse_linears=False), route, EMULATED)
   assert fused.layers[0].attn.fused and fused.layers[0].mlp.fused and not unfused.layers[0].attn.fused
   assert jax.tree.structure(nnx.state(fused)) == jax.tree.structure(nnx.state(unfused))
   for a, b in zip(jax.tree.leaves(nnx.state(fused)), jax.tree.leaves(nnx.state(unfused))):
