@@ -32,6 +32,7 @@ from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.gemm import emulated as gemm_emulated
 from fp4jax.ops.gemm import fp8 as gemm_fp8
 from fp4jax.ops.quantize import quantize_operand
+from fp4jax.platform import compiles_for_gpu
 from train.errors import UserError
 
 # (name, K, N) for x [tokens, K] @ w [K, N].
@@ -120,8 +121,11 @@ def check_fp8_backend(m: int, k: int, n: int, key: jax.Array) -> dict:
   """fp8-backend results vs emulated (MXFP4 x MXFP4, NVFP4 x NVFP4), float32 and bf16 outputs.
 
   bound = 2 K 2^-24 (|A| |B|^T) + 2^-24 |ref|: the two sides accumulate the same exact products in float32 in
-  different orders (plus one rounding of the outer factors for NVFP4). The bf16 outputs are compared with the
-  float32 reference rounded to bf16, with one bf16 ulp (<= 2^-7 |ref|) added to the bound.
+  different orders (plus one rounding of the outer factors for NVFP4). On a GPU the MXFP4 pair's FP8 GEMM sums
+  on FP8 tensor cores, with fewer bits than float32 (cuBLASLt's fast accumulation: 1.46 times the float32 bound
+  on the H200, docs/BENCHMARKS.md): 2 K 2^-24 becomes 2^-9 there, the bound the tests hold FP8 GEMMs to
+  (`tests/mx_operands.py`). The bf16 outputs are compared with the float32 reference rounded to bf16, with one
+  bf16 ulp (<= 2^-7 |ref|) added to the bound.
   """
   res = {}
   for fmt in ("mxfp4", "nvfp4"):
@@ -129,7 +133,8 @@ def check_fp8_backend(m: int, k: int, n: int, key: jax.Array) -> dict:
     a, b = random_qtensor(ka, fmt, m, k), random_qtensor(kb, fmt, n, k)
     ref = jax.jit(lambda a, b: gemm_emulated.gemm(a, b, out_dtype=jnp.float32))(a, b)
     absprod = jax.jit(lambda a, b: gemm_emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32))(a, b)
-    bound = 2 * k * 2.0**-24 * absprod + 2.0**-24 * jnp.abs(ref)
+    sums = 2.0**-9 if fmt == "mxfp4" and compiles_for_gpu() else 2 * k * 2.0**-24
+    bound = sums * absprod + 2.0**-24 * jnp.abs(ref)
     for dt in (jnp.float32, jnp.bfloat16):
       out = jax.jit(lambda a, b, dt=dt: gemm_fp8.gemm(a, b, out_dtype=dt))(a, b)
       r = ref if dt == jnp.float32 else ref.astype(jnp.bfloat16)

@@ -57,3 +57,9 @@ def fp8_sum_bound(absprod: np.ndarray, k: int) -> np.ndarray:
   if jax.default_backend() == "gpu":
     return 2.0**-9 * absprod
   return float32_sum_bound(absprod, k)
+
+
+def fp8_tolerance(cpu: float) -> float:
+  """A tolerance, relative to a result's largest |value|, for results of FP8 GEMMs: `cpu` where the default
+  backend is a CPU, 2^-9 on a GPU (its FP8 tensor cores' sums, `fp8_sum_bound`)."""
+  return 2.0**-9 if jax.default_backend() == "gpu" else cpu

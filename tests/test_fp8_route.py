@@ -14,7 +14,7 @@ from bench.dot import gemm_targets
 from fp4jax import Impl
 from fp4jax.dot import fp4_dot, padding_multiples
 from fp4jax.numerics.reference import dequantize, quantize
-from mx_operands import float32_sum_bound, fp8_sum_bound
+from mx_operands import float32_sum_bound, fp8_sum_bound, fp8_tolerance
 
 IMPLS = {"auto": Impl(), "fp8 gemm": Impl(gemm="fp8"), "emulated": Impl(gemm="emulated"),
          "interpret + fp8 gemm": Impl(quantizer="interpret", gemm="fp8")}
@@ -70,7 +70,7 @@ def test_jitted_with_constant_operands():
   the host, the run one on FP8 tensor cores, `fp8_sum_bound`.)"""
   x, w, dy = _data(48, 64, 32, seed=3)
   want = jax.jit(_vjp)(x, w, dy)
-  tol = 2.0**-9 if jax.default_backend() == "gpu" else 1e-6
+  tol = fp8_tolerance(1e-6)
   for got in (jax.jit(lambda: _vjp(x, w, dy))(), jax.jit(lambda w: _vjp(x, w, dy))(w),
               jax.jit(lambda x: _vjp(x, w, dy))(x)):
     for g, e in zip(got, want):
