@@ -638,7 +638,10 @@ def test_eval_runs_in_the_train_steps_microbatches():
     loss[m] = float(ts.eval_step(ts.state, train.to_global(batch, ts.batch_sharding)))
     temp[m] = ts.eval_step.compiled.memory_analysis().temp_size_in_bytes
   np.testing.assert_allclose(loss[4], loss[1], rtol=2e-6)
-  assert temp[4] < 0.7 * temp[1], temp  # 0.55 on CPU; the same program before
+  # Planned on one microbatch: at least 3/4 of the whole batch's float32 logits [8, 32, 257] less temporary memory
+  # (0.35 MB less on CPU; the same program before). Not a ratio of the totals: on a GPU both hold cuBLAS's 32 MiB
+  # workspace (0.99 there).
+  assert temp[1] - temp[4] > 0.75 * 8 * 32 * 257 * 4, temp
 
 
 _SHARDED = textwrap.dedent("""
