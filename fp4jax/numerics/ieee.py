@@ -7,7 +7,8 @@ the backend, and disagree with a GPU kernel that follows their definition:
     flushes to zero). `div` computes the correctly rounded quotient through float64.
   * a float32 -> float8_e4m3fn -> float32 round trip inside one computation does not round (131,071 of
     131,072 values came back unrounded): XLA may drop such convert pairs (`--xla_allow_excess_precision`,
-    on by default). `e4m3_to_f32` decodes the float8 bytes instead, which nothing can simplify away.
+    on by default). `e4m3_to_f32` decodes the float8 bytes instead, which nothing can simplify away. The same
+    pass drops a float32 -> bf16 -> float32 pair, so `to_float32` reads a bf16 x from its bits (`bf16_to_f32`).
   * a float64 quotient of two float32 operands whose only use is its cast back to float32 is narrowed by LLVM
     into a float32 division, which XLA:GPU then emits as an approximation (`rcp.approx.f32` for 1 / b in the
     PTX of an H200 target): `div` gives its float64 quotient a second use wherever no run-time factor
