@@ -40,12 +40,6 @@ def sharded_init(init: Initializer, names: Sequence[str | None]) -> Initializer:
   return nnx.with_partitioning(init, tuple(names), eager_sharding=False)
 
 
-def check_param_dtype(param_dtype, what: str) -> None:
-  """A ValueError starting with `what` unless `param_dtype` is a floating-point dtype that JAX holds as itself
-  (float64 only with jax_enable_x64: otherwise the parameters would be float32, silently)."""
-  float_dtype(param_dtype, what)
-
-
 # `checkpoint_name`s of every FP4Linear's output and of the bf16 operands of its product, for `jax.checkpoint`
 # policies (fp4jax.nn.llama.model): the output is what the next op's backward reads; the operands are what a
 # high-precision route's backward GEMMs read (an FP4 route saves its quantized operands instead, fp4jax.dot).
@@ -83,7 +77,7 @@ class FP4Linear(nnx.Module):
       if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
         raise ValueError(f"FP4Linear's {name} takes an int >= 1, got {size!r}")
     in_features, out_features = int(in_features), int(out_features)  # NumPy ints too (a shape's entries)
-    check_param_dtype(param_dtype, "FP4Linear's param_dtype=")
+    float_dtype(param_dtype, "FP4Linear's param_dtype=")
     if (isinstance(kernel_sharding, str) or not isinstance(kernel_sharding, Sequence) or len(kernel_sharding) != 2
         or not all(a is None or isinstance(a, str) for a in kernel_sharding)):
       raise ValueError(f"FP4Linear's kernel_sharding takes 2 mesh-axis names or None ([in, out], e.g. "

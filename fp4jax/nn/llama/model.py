@@ -52,6 +52,7 @@ from fp4jax.nn.llama.config import LlamaConfig
 from fp4jax.nn.llama.layers import Block, RMSNorm, fsdp_sharding, linear_index
 from fp4jax.nn.rules import RouteRules
 from fp4jax.numerics import prng
+from fp4jax.numerics.spec import float_dtype
 
 
 LAYERS, STACKS = "layers", "stacks"  # the state's entries of unrolled and stacked blocks
@@ -110,7 +111,7 @@ class Llama(nnx.Module):
     if scan_layers not in (True, False, "auto"):
       raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
     # Before anything is built: the blocks' FP4Linears would refuse them only after the [V, D] embedding.
-    linear.check_param_dtype(param_dtype, "Llama's param_dtype=")
+    float_dtype(param_dtype, "Llama's param_dtype=")
     dot.check_out_dtype(dtype, "Llama's dtype=")
     rules.check_depth(config.n_layers)
     self.config = config
