@@ -19,8 +19,9 @@ def apply_outer(out: jax.Array, a: Quantized, b: Quantized) -> jax.Array:
   """out [M, N] float32 times a's outer factor (scalar or per row) and b's (scalar or per column): each product
   rounded once also for a subnormal factor (`ieee.mul_scale`), and with both factors, no overflow on the way
   where the result is finite (`ieee.mul_scales`: a huge factor times a tiny one)."""
-  fa = None if a.outer is None else a.outer if a.outer.ndim == 0 else a.outer[:, None]
-  fb = None if b.outer is None else b.outer if b.outer.ndim == 0 else b.outer[None, :]
-  if fa is not None and fb is not None:
-    return ieee.mul_scales(out, fa, fb)
-  return out if fa is None and fb is None else ieee.mul_scale(out, fb if fa is None else fa)
+  fa = a.outer if a.outer is None or a.outer.ndim == 0 else a.outer[:, None]
+  fb = b.outer if b.outer is None or b.outer.ndim == 0 else b.outer[None, :]
+  if fa is None or fb is None:  # one factor or none: nothing on the way to overflow
+    f = fb if fa is None else fa
+    return out if f is None else ieee.mul_scale(out, f)
+  return ieee.mul_scales(out, fa, fb)
