@@ -123,9 +123,9 @@ def check_fp8_backend(m: int, k: int, n: int, key: jax.Array) -> dict:
   bound = 2 K 2^-24 (|A| |B|^T) + 2^-24 |ref|: the two sides accumulate the same exact products in float32 in
   different orders (plus one rounding of the outer factors for NVFP4). On a GPU the MXFP4 pair's FP8 GEMM sums
   on FP8 tensor cores, with fewer bits than float32 (cuBLASLt's fast accumulation: 1.46 times the float32 bound
-  on the H200, docs/BENCHMARKS.md): 2 K 2^-24 becomes 2^-9 there, the bound the tests hold FP8 GEMMs to
-  (`tests/mx_operands.py`). The bf16 outputs are compared with the float32 reference rounded to bf16, with one
-  bf16 ulp (<= 2^-7 |ref|) added to the bound.
+  on the H200, docs/BENCHMARKS.md): 2 K 2^-24 becomes `FAST_ACCUM_SUM_BOUND` (2^-9) there, as in the tests.
+  The bf16 outputs are compared with the float32 reference rounded to bf16, with one bf16 ulp (<= 2^-7 |ref|)
+  added to the bound.
   """
   res = {}
   for fmt in ("mxfp4", "nvfp4"):
@@ -133,7 +133,7 @@ def check_fp8_backend(m: int, k: int, n: int, key: jax.Array) -> dict:
     a, b = random_qtensor(ka, fmt, m, k), random_qtensor(kb, fmt, n, k)
     ref = jax.jit(lambda a, b: gemm_emulated.gemm(a, b, out_dtype=jnp.float32))(a, b)
     absprod = jax.jit(lambda a, b: gemm_emulated.gemm(abs_codes(a), abs_codes(b), out_dtype=jnp.float32))(a, b)
-    sums = 2.0**-9 if fmt == "mxfp4" and compiles_for_gpu() else 2 * k * 2.0**-24
+    sums = gemm_fp8.FAST_ACCUM_SUM_BOUND if fmt == "mxfp4" and compiles_for_gpu() else 2 * k * 2.0**-24
     bound = sums * absprod + 2.0**-24 * jnp.abs(ref)
     for dt in (jnp.float32, jnp.bfloat16):
       out = jax.jit(lambda a, b, dt=dt: gemm_fp8.gemm(a, b, out_dtype=dt))(a, b)

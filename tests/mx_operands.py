@@ -8,6 +8,7 @@ from bench.dot import abs_codes
 from fp4jax.numerics.qtensor import QTensor, pack_codes
 from fp4jax.numerics.reference import dequantize
 from fp4jax.ops.gemm import emulated
+from fp4jax.ops.gemm.fp8 import FAST_ACCUM_SUM_BOUND
 
 
 def mx_qtensor(codes: np.ndarray, exps: np.ndarray) -> QTensor:
@@ -50,16 +51,15 @@ def summation_bound(a: QTensor, b: QTensor, k: int) -> np.ndarray:
 def fp8_sum_bound(absprod: np.ndarray, k: int) -> np.ndarray:
   """|diff| bound of an FP8 GEMM's float32 result from another sum of its exact products, given |A| |B|^T.
 
-  Where the default backend is a CPU, XLA sums in float32 (`float32_sum_bound`). On a GPU, FP8 tensor cores
-  (cuBLASLt's fast accumulation, WGMMA) keep fewer bits in their sums (about 14: DeepSeek-V3, section 3.3.2);
-  2^-9 |A| |B|^T is the bound the mosaic GEMM's GPU test held to on an H100 at its shape (docs/BENCHMARKS.md);
-  the cuBLASLt tests that also take it have not run on a GPU since (docs/BENCHMARKS.md, 2026-12-05, 19:34)."""
+  Where the default backend is a CPU, XLA sums in float32 (`float32_sum_bound`). On a GPU, FP8 tensor cores keep
+  fewer bits in their sums: `FAST_ACCUM_SUM_BOUND` |A| |B|^T, which the mosaic GEMM's GPU test held to on an H100
+  and the cuBLASLt tests on the H200 (docs/BENCHMARKS.md, 2026-12-05, 22:14)."""
   if jax.default_backend() == "gpu":
-    return 2.0**-9 * absprod
+    return FAST_ACCUM_SUM_BOUND * absprod
   return float32_sum_bound(absprod, k)
 
 
 def fp8_tolerance(cpu: float) -> float:
   """A tolerance, relative to a result's largest |value|, for results of FP8 GEMMs: `cpu` where the default
-  backend is a CPU, 2^-9 on a GPU (its FP8 tensor cores' sums, `fp8_sum_bound`)."""
-  return 2.0**-9 if jax.default_backend() == "gpu" else cpu
+  backend is a CPU, `FAST_ACCUM_SUM_BOUND` on a GPU (its FP8 tensor cores' sums)."""
+  return FAST_ACCUM_SUM_BOUND if jax.default_backend() == "gpu" else cpu

@@ -67,6 +67,12 @@ def _gemm_out_dtype(out_dtype) -> jnp.dtype:
   return jnp.dtype(out_dtype) if narrow else jnp.dtype(jnp.float32)
 
 
+# |difference| of an FP8 GEMM's float32 result on a GPU from another order of its exact products, relative to
+# |A| |B|^T: FP8 tensor cores (cuBLASLt's fast accumulation, WGMMA) keep about 14 bits in their sums
+# (DeepSeek-V3, section 3.3.2). The bound the GPU tests and `bench dot`'s check hold these GEMMs to.
+FAST_ACCUM_SUM_BOUND = 2.0**-9
+
+
 def fp8_gemm(a8: encoding.Fp8Operand, b8: encoding.Fp8Operand, out_dtype=jnp.float32, *,
              fast_accum: bool = True) -> jax.Array:
   """a8 [M, K] times b8 [N, K]^T with the row factors applied: one FP8 GEMM.
