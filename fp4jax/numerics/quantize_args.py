@@ -51,6 +51,8 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
                      f"{spec.name} {block=}")
   if ROUNDINGS[rounding].random:
     prng.check_key(key, f"quantize's {rounding=}")
+  elif key is not None:  # unread by this rounding; a malformed one is still a caller's mistake, said now
+    prng.check_key(key, f"quantize's key= (unused by {rounding=})")
   if rounding == "eden":
     if spec.name != "nvfp4":
       raise ValueError(f"rounding='eden' (MS-EDEN) needs fmt='nvfp4', got fmt={spec.name!r}")

@@ -457,6 +457,7 @@ def test_quartet2_reference_errors():
     (lambda x: ref.quantize(x, "nvfp4", rounding="sr"), "needs a key"),
     (lambda x: ref.quantize(x, "nvfp4", rounding="sr", key=3), "needs a key: one JAX PRNG key"),
     (lambda x: ref.quantize(x, "nvfp4", rounding="sr", key=jax.random.split(KEY, 4)), "needs a key: one JAX PRNG key"),
+    (lambda x: ref.quantize(x, "nvfp4", key=3), r"key= \(unused by rounding='rne'\) needs a key: one JAX PRNG key"),
     (lambda x: ref.quantize(x.astype(jnp.int32), "nvfp4"), "floating-point"),
     (lambda x: ref.quantize(x, "mxfp4", scale_rule="floor"), "valid rules"),
     (lambda x: ref.quantize(x, "nvfp4", scale_rule="ocp"), "mxfp4 only"),
