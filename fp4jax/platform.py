@@ -79,6 +79,18 @@ def compile_initializer(fn, *args, **jit_kwargs) -> jax.stages.Compiled:
   return jax.jit(fn, **jit_kwargs).lower(*args).compile(compiler_options=INIT_COMPILER_OPTIONS)
 
 
+def deterministic_ops() -> bool:
+  """Whether XLA_FLAGS asks XLA:GPU for run-to-run identical results (`--xla_gpu_deterministic_ops` or
+  `--xla_gpu_exclude_nondeterministic_ops`, true; the last setting of a name wins, as in XLA's parser). Read
+  where fp4jax must build a program differently under it (`nn.llama.layers.attention`)."""
+  settings = {}
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    name, _, value = flag.partition("=")
+    settings[name] = value.lower() in ("", "true", "1")
+  return any(settings.get(f"--xla_gpu_{name}", False)
+             for name in ("deterministic_ops", "exclude_nondeterministic_ops"))
+
+
 def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
   """Adds each `--name=value` of `flags` to the XLA_FLAGS environment variable unless XLA_FLAGS already sets
   that name (the user's choice wins); returns the result. XLA reads XLA_FLAGS once, when JAX first starts a

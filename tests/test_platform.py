@@ -30,6 +30,21 @@ def test_set_xla_flags_keeps_the_users_values(monkeypatch):
   assert platform.set_xla_flags() == " ".join(platform.DEFAULT_XLA_FLAGS)
 
 
+@pytest.mark.parametrize("flags, want", [
+    ("", False),
+    ("--xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_deterministic_ops", True),
+    ("--xla_gpu_deterministic_ops=1 --xla_dump_to=/tmp/x", True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true", True),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),  # the last one wins
+    ("--xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops_extra=true", False),
+])
+def test_deterministic_ops_reads_xla_flags(monkeypatch, flags, want):
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  assert platform.deterministic_ops() is want
+
+
 def test_default_cache_dir(monkeypatch, tmp_path):
   monkeypatch.setenv("FP4JAX_CACHE", str(tmp_path / "c"))
   assert platform.default_cache_dir() == tmp_path / "c"

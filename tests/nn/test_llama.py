@@ -471,6 +471,55 @@ def test_attention_auto_falls_back_without_cudnn():
       jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto")).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("flags", ["", "--xla_gpu_deterministic_ops=true"])
+def test_cudnn_attention_under_deterministic_ops_has_a_seed_per_block(monkeypatch, flags):
+  """Under deterministic ops each block's cuDNN call carries its layer as the (unread) dropout seed, so that no
+  two calls are alike (`layers._cudnn_attention`, openxla/xla#46500); otherwise it is JAX's public call. XLA's
+  attention stands in for cuDNN's here: what is checked is which call each block makes."""
+  xla_attention = jax.nn.dot_product_attention
+  calls = []
+
+  def public(q, k, v, *, is_causal, implementation):
+    calls.append(("public", is_causal, implementation))
+    return xla_attention(q, k, v, is_causal=True, implementation="xla")
+
+  def seeded(q, k, v, *, scale, mask_type, seed):
+    calls.append(("seeded", scale, mask_type, seed))
+    return xla_attention(q, k, v, is_causal=True, implementation="xla")
+
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", public)
+  monkeypatch.setattr(layers.cudnn_attention, "dot_product_attention", seeded)
+  config = dataclasses.replace(TINY, n_layers=3, attention_impl="cudnn")
+  _model(config)(_tokens(), key=jax.random.key(0))
+  if flags:
+    causal, scale = layers.cudnn_attention.MaskType.CAUSAL, 1 / math.sqrt(config.head_dim)
+    assert calls == [("seeded", pytest.approx(scale, rel=1e-15), causal, layer) for layer in range(3)]
+  else:
+    assert calls == [("public", True, "cudnn")] * 3
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_backward_of_two_blocks_runs_deterministic_on_the_gpu():
+  """The tests run with deterministic ops (conftest). Two unrolled blocks of one shape made XLA:GPU's program
+  fail at its start with an IndexError (`raw_hash_map<>::at`) before each block's cuDNN call got its own seed;
+  now the step runs on cuDNN's backward and gives the same bits twice."""
+  from fp4jax import platform  # pylint: disable=g-import-not-at-top
+  assert platform.deterministic_ops()
+  model = _model(dataclasses.replace(TINY, n_layers=2, attention_impl="cudnn"))
+  tokens = _tokens(t=T + 1)
+  graphdef, state = nnx.split(model)
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+  step = jax.jit(jax.grad(loss)).lower(state).compile()
+  assert len(re.findall(r'custom_call_target="__cudnn\$fmha\w*Backward"', step.as_text())) == 2
+  first, second = (jax.tree.map(np.asarray, step(state)) for _ in range(2))
+  jax.tree.map(np.testing.assert_array_equal, first, second)
+
+
 def _dots_per_forward(model, tokens):
   """dot_general equations in the jaxpr of the model's forward (XLA attention: 2 per block)."""
   jaxpr = jax.make_jaxpr(lambda m: m(tokens, key=jax.random.key(0)))(model).jaxpr

@@ -20,14 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention  # pylint: disable=g-direct-jax-src: its seed
 
+from fp4jax import platform
 from fp4jax.impl import Impl
 from fp4jax.nn import linear
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
 from fp4jax.numerics import prng
-from fp4jax.platform import compiles_for_gpu
 
 ATTN_LINEARS = ("q", "k", "v", "o")
 MLP_LINEARS = ("gate", "up", "down")
@@ -139,23 +140,42 @@ class _Linears:
         kernel_sharding=fsdp_sharding((d_in, d_out)), rngs=self.rngs)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None, *, layer: int = 0
+              ) -> jax.Array:
   """Causal `jax.nn.dot_product_attention` of q [B, T, H, Dh] with k, v [B, T, K, Dh] (GQA).
 
   implementation "auto": cuDNN's fused flash attention when compiling for a GPU and q is bf16/f16 with a head
   dim that is a multiple of 8 up to 128 (what cuDNN's kernel takes), else XLA's, which materializes the
   [B, H, T, T] scores (out of memory at 1B, seq 2048 on an H200). Where cuDNN turns the call down while
   tracing (no cuDNN, too old a version) it warns and falls back to XLA. Other values pass through.
+  layer: the block's index (static), which keeps each block's cuDNN call its own under deterministic ops
+  (`_cudnn_attention`).
   """
   if implementation == "auto":
     head_dim = q.shape[-1]
-    if compiles_for_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128:
+    cudnn_takes = q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    if platform.compiles_for_gpu() and cudnn_takes:
       try:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return _cudnn_attention(q, k, v, layer)
       except (RuntimeError, ValueError, NotImplementedError) as e:
         warnings.warn(f"cuDNN attention unavailable ({e}); using XLA's attention", stacklevel=2)
     implementation = "xla"
+  if implementation == "cudnn":
+    return _cudnn_attention(q, k, v, layer)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: int) -> jax.Array:
+  """`jax.nn.dot_product_attention(..., implementation="cudnn")`, causal; under deterministic ops
+  (`platform.deterministic_ops`) the same cuDNN call made through JAX's cuDNN module with the dropout seed set to
+  the layer: XLA:GPU in JAX 0.11.2 asks cuDNN for its deterministic backward only for the first of several
+  identical backward calls (two blocks of one shape), and the program then fails when it starts (IndexError
+  `raw_hash_map<>::at`: openxla/xla#46500). A seed per layer makes the calls differ; without dropout it is
+  never read, so the numbers are the same."""
+  if not platform.deterministic_ops():
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  return cudnn_attention.dot_product_attention(q, k, v, scale=1.0 / np.sqrt(q.shape[-1]),
+                                               mask_type=cudnn_attention.MaskType.CAUSAL, seed=layer)
 
 
 class Attention(nnx.Module):
@@ -195,7 +215,7 @@ class Attention(nnx.Module):
     freqs = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # [Dh/2], constants
     q = apply_rope(q, positions, freqs)
     k = apply_rope(k, positions, freqs)
-    out = attention(q, k, v, self.implementation)
+    out = attention(q, k, v, self.implementation, layer=self.layer)
     return self.o(out.reshape(b, t, self.n_heads * self.head_dim), key=keys["o"])  # [B, T, D]
 
 
