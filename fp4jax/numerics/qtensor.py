@@ -96,7 +96,11 @@ class QTensor(_AlongOneAxis):
     return ELEMENT_DECODERS[self.spec.element](self.unpacked_codes())
 
   def as_float4(self) -> jax.Array:
-    """FP4 formats: the codes as a `jnp.float4_e2m1fn` array in the K-major layout (values unscaled); no copy."""
+    """FP4 formats: the codes as a `jnp.float4_e2m1fn` array in the K-major layout (values unscaled); no copy.
+    An FP8 QTensor's codes are already its float8 values: a ValueError says so (they are no float4 pairs)."""
+    if self.spec.element != "e2m1":
+      raise ValueError(f"as_float4 views packed E2M1 codes; a {self.fmt!r} QTensor holds its "
+                       f"{self.codes.dtype} values as .codes itself")
     return jax.lax.bitcast_convert_type(self.codes, jnp.float4_e2m1fn).reshape(self.kmajor_shape)
 
 

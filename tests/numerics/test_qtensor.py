@@ -34,6 +34,11 @@ def test_float4_views():
   np.testing.assert_array_equal(codes_from_float4(f4), q.codes)
 
 
+def test_float4_view_of_an_fp8_qtensor_is_refused():
+  with pytest.raises(ValueError, match="as_float4 views packed E2M1 codes; a 'fp8_e4m3' QTensor"):
+    _q("fp8_e4m3").as_float4()
+
+
 def test_packing():
   codes = jnp.arange(16, dtype=jnp.uint8).reshape(2, 8)
   packed = pack_codes(codes)
