@@ -70,7 +70,7 @@ def _decode_factor(q: QTensor) -> jax.Array:
   return scale
 
 
-def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, role: str,
+def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array | None, role: str,
                     source: jax.Array | None = None) -> dict:
   """Quantization metrics of one operand: `v` (2-D float32) quantized along `axis` per `spec`, as fp4_dot does.
 
@@ -81,10 +81,13 @@ def operand_metrics(v: jax.Array, spec: OperandSpec, axis: int, key: jax.Array, 
   elements whose code is +-0 over nonzero T(v) elements, "clip_fraction": elements with |T(v)| / (block scale
   x outer) > the element maximum (6 for E2M1) over all elements, i.e. clipped before rounding (for finite
   inputs the same as saturated codes that were rounded down to the maximum)}, T the spec's transform along
-  `axis` (identity without one). A high-precision spec loses nothing: all three are 0.
+  `axis` (identity without one). A high-precision spec loses nothing: all three are 0. `key`: fp4_dot's key
+  (the role's keys are derived from it); None only for a spec that draws no random bits.
   """
   if role not in route_lib.ROLES:
     raise ValueError(f"role {role!r} is not an operand role: {list(route_lib.ROLES)}")
+  if key is not None or spec.needs_key:
+    prng.check_key(key, f"operand_metrics (role {role!r}, {spec.rounding=}, {spec.transform=})")
   if not spec.quantized:
     return {"rel_sq_error": 0.0, "zero_fraction": 0.0, "clip_fraction": 0.0}
   keys = route_lib.operand_keys(spec, key, role)

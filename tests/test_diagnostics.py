@@ -57,6 +57,10 @@ def test_non_finite_operands_and_bad_arguments():
     diagnostics.operand_report(x[:0], w, dy[:0], "mxfp4_rtn")
   with pytest.raises(ValueError, match="role 'foo' is not an operand role"):
     diagnostics.operand_metrics(x, OperandSpec("mxfp4"), 1, jax.random.key(0), role="foo")
+  with pytest.raises(ValueError, match="operand_metrics .* needs a key"):
+    diagnostics.operand_metrics(x, OperandSpec("mxfp4", rounding="sr"), 1, None, role="fprop_x")
+  with pytest.raises(ValueError, match="operand_metrics .* needs a key"):
+    diagnostics.operand_metrics(x, OperandSpec("mxfp4"), 1, jnp.zeros(2), role="fprop_x")
 
 
 def test_mxfp4_sr_report():
