@@ -199,8 +199,9 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
     means the GEMM is biased; for an unbiased one the two agree to within sampling noise.
   """
   route = route_lib.get(route)
-  if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+  if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:
     raise ValueError(f"samples must be an int >= 1, got {samples!r}")
+  samples = int(samples)  # a NumPy int too (np.arange's), reported as a plain int (the rows go to JSON)
   x, w, dy = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
   if x.ndim != 2 or w.ndim != 2 or dy.ndim != 2 or x.shape[1] != w.shape[0] or dy.shape != (x.shape[0], w.shape[1]):
     raise ValueError(f"operand_report needs x [M, K], w [K, N], dy [M, N]: {x.shape=}, {w.shape=}, {dy.shape=}")
