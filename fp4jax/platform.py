@@ -94,7 +94,13 @@ def deterministic_ops() -> bool:
 def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
   """Adds each `--name=value` of `flags` to the XLA_FLAGS environment variable unless XLA_FLAGS already sets
   that name (the user's choice wins); returns the result. XLA reads XLA_FLAGS once, when JAX first starts a
-  backend, so call this before any computation."""
+  backend, so call this before any computation. A single string is a TypeError (its characters would be added
+  as flags), a flag not of the form `--name[=value]` a ValueError (XLA would refuse it when its backend starts)."""
+  if isinstance(flags, str):
+    raise TypeError(f"set_xla_flags takes a tuple of flags, got the string {flags!r}: pass ({flags!r},)")
+  for flag in flags:
+    if not isinstance(flag, str) or not flag.startswith("--") or len(flag.split()) != 1:
+      raise ValueError(f"set_xla_flags takes flags of the form '--name=value', got {flag!r}")
   current = os.environ.get("XLA_FLAGS", "")
   names = {f.split("=")[0] for f in current.split()}
   added = [f for f in flags if f.split("=")[0] not in names]

@@ -30,6 +30,19 @@ def test_set_xla_flags_keeps_the_users_values(monkeypatch):
   assert platform.set_xla_flags() == " ".join(platform.DEFAULT_XLA_FLAGS)
 
 
+@pytest.mark.parametrize("flags, error, match", [
+    ("--xla_gpu_autotune_level=0", TypeError, "takes a tuple of flags, got the string"),
+    (("xla_gpu_autotune_level=0",), ValueError, "of the form '--name=value', got 'xla_gpu_autotune_level=0'"),
+    (("--xla_gpu_autotune_level=0 --xla_dump_to=x",), ValueError, "of the form '--name=value'"),
+    ((None,), ValueError, "of the form '--name=value', got None"),
+])
+def test_set_xla_flags_refuses_what_xla_would_not_read(monkeypatch, flags, error, match):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  with pytest.raises(error, match=match):
+    platform.set_xla_flags(flags)
+  assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
 @pytest.mark.parametrize("flags, want", [
     ("", False),
     ("--xla_gpu_deterministic_ops=true", True),
