@@ -97,7 +97,8 @@ def _no_gradient(x: Any) -> np.ndarray:
 def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invariants: Any = (), *,
                first_layer: int = 0, read_as: Callable[[Any, jax.Array], Any] | None = None) -> jax.Array:
   """h through L layers, h = body(h, params_l, invariants, layer) for l in range(L), where params_l is slice l
-  of each leaf of `stacked` ([L, ...]) and `layer` = first_layer + l (a traced int32). Returns the last h.
+  of each leaf of `stacked` ([L, ...], one L >= 1 for every leaf: a ValueError otherwise) and `layer` =
+  first_layer + l (a traced int32). Returns the last h.
 
   Differentiable in h and `stacked`; `invariants` (positions, a random key, ...) are passed to every layer
   and not differentiated, so they must be integer, boolean or key arrays (a TypeError otherwise). Each layer
@@ -109,8 +110,14 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
     raise TypeError(f"run_layers: invariants get no gradient, so they take integer, boolean or key arrays; got "
                     f"{', '.join(str(jax.typeof(x)) for x in floats)} (pass a differentiable value in `stacked`, "
                     f"or close over it in `body` if it is a constant)")
-  length = jax.tree.leaves(stacked)[0].shape[0]
   with_paths, params_tree = jax.tree_util.tree_flatten_with_path(stacked)
+  lengths = {jax.tree_util.keystr(path): np.shape(x)[0] if np.ndim(x) else None for path, x in with_paths}
+  if len(set(lengths.values())) != 1 or None in lengths.values() or 0 in lengths.values():
+    # a shorter leaf would be read at a clamped index (its last slice again), silently
+    sizes = ", ".join(f"{path}: {n}" for path, n in lengths.items()) or "no leaf"
+    raise ValueError(f"run_layers takes stacked parameters with one leading layer axis of one length >= 1 in "
+                     f"every leaf, got leading sizes {sizes} (None: a 0-d leaf)")
+  length = next(iter(lengths.values()))
   dtypes = [None if read_as is None else read_as(path, x) for path, x in with_paths]
   read_leaves = lambda leaves, i: _cast(_slice(leaves, i), dtypes)  # layer i's parameters as `body` reads them
   read = lambda tree, i: jax.tree.unflatten(params_tree, read_leaves(params_tree.flatten_up_to(tree), i))

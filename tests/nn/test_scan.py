@@ -169,6 +169,18 @@ def test_run_layers_refuses_differentiable_invariants():
     scan.run_layers(_body, h, stacked, (jnp.ones(B), jax.random.key(0)))
 
 
+@pytest.mark.parametrize("stacked, shown", [
+    ({"w": jnp.ones((L, D, D)), "b": jnp.ones((L - 1, D))}, f"sizes ['b']: {L - 1}, ['w']: {L} "),
+    ({"w": jnp.ones((0, D, D))}, "sizes ['w']: 0 "),
+    ({"w": jnp.ones((L, D, D)), "s": jnp.float32(1)}, f"sizes ['s']: None, ['w']: {L} "),
+    ({}, "sizes no leaf "),
+])
+def test_run_layers_refuses_stacks_without_one_layer_count(stacked, shown):
+  """A leaf with fewer layers than the others was read at a clamped index (its last slice again), silently."""
+  with pytest.raises(ValueError, match=re.escape(shown)):
+    scan.run_layers(lambda h, p, i, l: h, jnp.ones((B, D)), stacked)
+
+
 def test_read_as_casts_each_slice_in_the_loop():
   """`read_as`: a float32 stack read as bf16 gives the numbers of the bf16 stack passed in (its cast's gradient,
   converted), with the loop's weight-gradient stack kept in bf16 and returned in float32 for the float32 stack."""
