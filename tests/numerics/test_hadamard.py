@@ -74,6 +74,9 @@ def test_gemm_invariance():
 @pytest.mark.parametrize("call,match", [
     (lambda: hadamard(jnp.ones((4, 32)), "rht16"), "needs a key"),
     (lambda: hadamard_matrix("rht32"), "needs a key"),
+    (lambda: hadamard(jnp.ones((4, 32)), "rht16", key=3), "rht16'.* needs a key: one JAX PRNG key"),
+    (lambda: hadamard(jnp.ones((4, 32)), "rht16", key=jax.random.split(KEY, 2)), "needs a key: one JAX PRNG key"),
+    (lambda: hadamard(jnp.ones((4, 32)), "h16", key=jnp.zeros(2)), "fixed signs: key= unused.* needs a key"),
     (lambda: hadamard(jnp.ones((4, 48)), "h32"), "multiple of 32"),
     (lambda: hadamard(jnp.ones((4, 32)), "h64"), "known kinds"),
 ])
