@@ -232,6 +232,10 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
   no kernel alone (XLA adds the program's other kernels to it, and replaces a kernel whose code changed), and
   the file's path, part of JAX's cache key, stays the same from one run to the next.
   """
+  if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+    # checked here: with no Triton launch (a CPU) the value would not be read, and a GPU would fail on it later
+    raise ValueError(f"kernels_first's threads takes an int >= 0 or None (one per usable CPU but one), got "
+                     f"{threads!r}")
   launches = triton_launches(traced.jaxpr.jaxpr)
   if threads is None:
     cpus = platform.usable_cpus()
@@ -306,5 +310,8 @@ def compile_program(jitted, *args, threads: int | None = 0, directory: str | os.
   """`jitted` (a `jax.jit` function) traced, lowered and compiled for `args` (arrays or ShapeDtypeStructs), its
   Triton kernels compiled first (`kernels_first`, whose `threads` and `directory` these are); returns the
   compiled program and the `Report`. compiler_options: for the program's compile, the kernel file added."""
+  if not isinstance(jitted, jax.stages.Wrapped):
+    raise TypeError(f"compile_program takes a jax.jit function (compile_program(jax.jit(step), *args)), got "
+                    f"{jitted!r}")
   with kernels_first(jitted.trace(*args), threads=threads, directory=directory) as (lowered, options, report):
     return compile_lowered(lowered, options, report, compiler_options), report

@@ -118,6 +118,19 @@ def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
   np.testing.assert_array_equal(compiled(jnp.arange(4.0)), fn(jnp.arange(4.0)))
 
 
+@pytest.mark.parametrize("jitted, threads, error, match", [
+    (jax.jit(jnp.sin), -1, ValueError, "threads takes an int >= 0 or None .*got -1"),
+    (jax.jit(jnp.sin), "4", ValueError, "threads takes an int >= 0 or None .*got '4'"),
+    (jax.jit(jnp.sin), 1.5, ValueError, "threads takes an int >= 0 or None .*got 1.5"),
+    (lambda x: x, 0, TypeError, "compile_program takes a jax.jit function"),
+])
+def test_bad_arguments_are_named_on_any_host(jitted, threads, error, match):
+  """Refused before any work: a CPU reads threads only once it finds a Triton launch (it has none), a GPU failed
+  on a string or float later with Python's comparison error; a plain function had no `trace`."""
+  with pytest.raises(error, match=match):
+    compiling.compile_program(jitted, jnp.arange(4.0), threads=threads)
+
+
 _H200_KERNELS_FIRST = r"""
 import json, pathlib, re, sys, warnings
 import jax, jax.numpy as jnp
