@@ -383,6 +383,14 @@ def test_arguments_of_other_types_are_refused_by_name(config, rules, match):
     Llama(config, rules=rules, rngs=nnx.Rngs(0))
 
 
+def test_a_scan_policy_by_name_is_refused_at_construction():
+  """It failed in the first call of a scanned model ("'str' object is not callable"), and an unrolled one
+  ignored it."""
+  rules = RouteRules.standard("bf16", n_layers=TINY.n_layers)
+  with pytest.raises(TypeError, match=r"^Llama's scan_policy= takes .*SCAN_POLICIES\[name\] \(names: \['outputs', "):
+    Llama(TINY, rules=rules, rngs=nnx.Rngs(0), scan_layers=True, scan_policy="outputs")
+
+
 @pytest.mark.parametrize("route, groups, saves", [("bf16", [range(0, 4)], "outputs"),
                                                   ("bf16", [range(0, 4)], "operands"),
                                                   ("mxfp4_sr", [range(0, 1), range(1, 3), range(3, 4)], "outputs")])

@@ -110,6 +110,9 @@ class Llama(nnx.Module):
                       f"RouteRules.parse([...])), got {rules!r}")
     if scan_layers not in (True, False, "auto"):
       raise ValueError(f"scan_layers takes True, False or 'auto', got {scan_layers!r}")
+    if scan_policy is not None and not callable(scan_policy):  # a name failed in the first scanned call only
+      raise TypeError(f"Llama's scan_policy= takes a jax.checkpoint policy such as SCAN_POLICIES[name] (names: "
+                      f"{list(SCAN_POLICIES)}), got {scan_policy!r}")
     # Before anything is built: the blocks' FP4Linears would refuse them only after the [V, D] embedding.
     float_dtype(param_dtype, "Llama's param_dtype=")
     dot.check_out_dtype(dtype, "Llama's dtype=")
