@@ -466,6 +466,21 @@ def test_attention_auto_is_xla_off_gpu(cpu_backend):
     dataclasses.replace(TINY, attention_impl="flash")
 
 
+def test_float16_attention_runs_jitted_off_gpu(cpu_backend):
+  """JAX's XLA attention asks for float32 products of float16 operands, which XLA:CPU refuses in a jitted program
+  (eagerly JAX falls back); `layers.attention` computes them in float32, within float16's rounding of JAX's eager
+  result, and a float16 Llama trains on a CPU."""
+  q, k, v = (a.astype(jnp.float16) for a in _qkv())
+  got = jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto"))(q, k, v)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  assert got.dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-3, atol=2e-3)
+  model = Llama(TINY, rules=RouteRules.standard("bf16", n_layers=TINY.n_layers), rngs=nnx.Rngs(0),
+                dtype=jnp.float16)
+  value, _ = _next_token_grads(_tokens(t=T + 1))(model, jax.random.key(0))
+  assert np.isfinite(value)
+
+
 @pytest.mark.skipif(compile_bench.cuda_plugin_installed(), reason="JAX's CUDA plugin brings cuDNN, whose call lowers "
                     "only with a device")
 def test_attention_auto_falls_back_without_cudnn():

@@ -162,6 +162,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
     implementation = "xla"
   if implementation == "cudnn":
     return _cudnn_attention(q, k, v, layer)
+  if q.dtype == jnp.float16 and not platform.compiles_for_gpu():
+    # XLA:CPU has no float16 product with a float32 result, which JAX's XLA attention asks for: a jitted call
+    # fails ("precision 'F16_F16_F32' is not supported"), so it runs in float32 and rounds its output once.
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation).astype(jnp.float16)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
