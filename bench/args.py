@@ -58,7 +58,7 @@ def out_file(value: str) -> str:
   """A file bench writes (replacing one that is there): its directory is made if missing and must be writable,
   and the path must not be a directory, checked before any work."""
   path = os.path.expanduser(value)
-  if os.path.isdir(path):
+  if os.path.isdir(path) or path.endswith(os.sep):  # "new/" names a folder, where open() fails after the work
     raise argparse.ArgumentTypeError(f"{value!r} is a directory; name a file in it")
   _writable_dir(os.path.dirname(path) or ".", "its directory")
   return path
