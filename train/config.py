@@ -146,6 +146,7 @@ class DataConfig:
 
   def __post_init__(self):
     expand_home(self, "cache_dir")
+    expand_home(self, "tokenizer_path")
     _check_counts("data", self, {"seq_len": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "workers": _AT_LEAST_0,
                                  "microbatches": _AT_LEAST_1, "eval_fraction": _OPEN_FRACTION,
                                  "tokenizer": _one_of(TOKENIZERS)})

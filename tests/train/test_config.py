@@ -142,9 +142,11 @@ def test_model_overrides_take_the_llama_config_types():
 def test_documented_words_and_home_paths_are_read_as_meant():
   """`run.compile_cache=off` as documented (YAML reads it as false); a leading ~ in a path expanded as a shell
   would (no shell expands it after `=`: it made a directory named "~")."""
-  cfg = config.load_config(None, ["run.compile_cache=off", "run.out_dir=~/runs/x", "data.cache_dir=~/tok"])
+  cfg = config.load_config(None, ["run.compile_cache=off", "run.out_dir=~/runs/x", "data.cache_dir=~/tok",
+                                   "data.tokenizer_path=~/gpt2"])
   assert cfg.run.compile_cache == "off"
   assert cfg.run.out_dir == os.path.expanduser("~/runs/x") and cfg.data.cache_dir == os.path.expanduser("~/tok")
+  assert cfg.data.tokenizer_path == os.path.expanduser("~/gpt2")
 
 
 def test_kernels_split_tokens_names_the_token_axes():
