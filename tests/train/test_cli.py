@@ -63,9 +63,11 @@ def _args(tmp_path, *sets: str) -> list[str]:
      "kernels: GEMM backend 'native' does not support a.fmt='fp8_e4m3'"),
     (["route=mxfp4", "run.routes=[]", "kernels.gemm=mosaic"], "kernels: the mosaic GEMM backend compiles for a "
                                                                 "Hopper GPU"),
+    (["model.overrides.attention_impl=cudnn"], "model.overrides.attention_impl='cudnn' needs a GPU (this "
+                                               "backend: cpu)"),  # a traceback at the first step
 ])
 def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_data_work, sets, match, cpu_backend):
-  """Off a GPU (`cpu_backend`) the Pallas kernels and the mosaic GEMM are mistakes too."""
+  """Off a GPU (`cpu_backend`) the Pallas kernels, the mosaic GEMM and cuDNN's attention are mistakes too."""
   assert match in _error_line(capsys, _args(tmp_path, *sets))
 
 
