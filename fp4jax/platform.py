@@ -121,14 +121,15 @@ CACHE_OFF = ("none", "off")  # the words for "no persistent cache", in train's c
 
 def cache_dir(setting: str) -> pathlib.Path | None:
   """The cache directory an app setting names: "auto" the default (`default_cache_dir`), "none" or "off" no
-  cache (None), in any case; anything else a path. An empty setting is a ValueError (it would name the current
-  directory)."""
+  cache (None), in any case; anything else a path, a leading ~ expanded (no shell expands it in
+  `--set run.compile_cache=~/c`, and the apps make the directory they are given). An empty setting is a
+  ValueError (it would name the current directory)."""
   word = setting.strip().lower()
   if not word:
     raise ValueError("an empty compilation cache setting: give 'auto', 'off' or a directory")
   if word == "auto":
     return default_cache_dir()
-  return None if word in CACHE_OFF else pathlib.Path(setting)
+  return None if word in CACHE_OFF else pathlib.Path(setting).expanduser()
 
 
 def kernel_cache_dir(cache: str | os.PathLike | None) -> pathlib.Path | None:

@@ -90,6 +90,8 @@ def test_cache_dir_reads_the_apps_setting(monkeypatch, tmp_path):
   assert platform.cache_dir("auto") == tmp_path / "c"
   assert platform.cache_dir("none") is None and platform.cache_dir("off") is None
   assert platform.cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))  # `--set run.compile_cache=~/c` reaches it unexpanded
+  assert platform.cache_dir("~/c") == tmp_path / "home" / "c"
 
 
 def test_two_processes_share_one_compilation_cache(tmp_path):
