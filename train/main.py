@@ -70,8 +70,10 @@ def enable_compilation_cache(setting: str, what: str) -> None:
     cache = platform.cache_dir(setting)
   except ValueError as err:
     raise UserError(f"{what}={setting!r}: {err}") from err
-  if cache is not None:
-    check_writable_dir(cache, what)
+  if cache is not None:  # auto's directory comes from the environment: say so where it is unusable
+    auto = setting.strip().lower() == "auto"
+    check_writable_dir(cache, f"{what}=auto, whose directory ($FP4JAX_CACHE, else $XDG_CACHE_HOME/fp4jax/jax)"
+                       if auto else what)
   platform.enable_compilation_cache(cache)
 
 

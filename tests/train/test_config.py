@@ -192,7 +192,7 @@ def test_a_setting_added_since_a_run_was_saved_counts_as_its_default():
   assert config.changed_settings(saved, more) == ["data.microbatches: 1 -> 2"]
 
 
-def test_unusable_directories_are_one_cli_line(tmp_path, capsys):
+def test_unusable_directories_are_one_cli_line(tmp_path, capsys, monkeypatch):
   """A run or cache directory that cannot be made or written (a file in its place, a missing parent under a
   file) is one line and exit status 2 before any work, not an OSError traceback."""
   from train.main import EXIT_USER_ERROR, main
@@ -204,6 +204,11 @@ def test_unusable_directories_are_one_cli_line(tmp_path, capsys):
       assert main(argv) == EXIT_USER_ERROR, (key, path)
       err = capsys.readouterr().err.strip().splitlines()
       assert err[-1].startswith(f"python -m train: error: {key}={str(path)!r}: cannot use it as a directory"), err
+  monkeypatch.setenv("FP4JAX_CACHE", str(blocker))  # the directory of run.compile_cache=auto, which names no path
+  assert main(["--set", f"run.out_dir={tmp_path / 'run'}", "--set", "run.compile_cache=auto"]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("python -m train: error: run.compile_cache=auto, whose directory ($FP4JAX_CACHE, else "
+                            f"$XDG_CACHE_HOME/fp4jax/jax)={str(blocker)!r}: cannot use it as a directory"), err
 
 
 def test_a_file_in_place_of_a_routes_directory_is_one_cli_line(tmp_path, capsys):
