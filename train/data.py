@@ -325,9 +325,10 @@ def build_token_cache(files: Sequence[str], kind: str, tokenizer_path: str, cach
   if log is not None:
     log.write(f"\n[data] cached {n_tokens:,} {tok.name} tokens in {bin_path}\n")  # ends the progress line
   os.replace(tmp, bin_path)
-  with open(meta_path + ".tmp", "w") as f:
+  meta_tmp = f"{_temporaries(meta_path)}{os.getpid()}"  # its own, as the token file's: hosts may build it at once
+  with open(meta_tmp, "w") as f:
     json.dump({"tokens": n_tokens, "dtype": dtype.name, "tokenizer": tok.name, "files": len(files)}, f)
-  os.replace(meta_path + ".tmp", meta_path)
+  os.replace(meta_tmp, meta_path)
   return np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,))
 
 

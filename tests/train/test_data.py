@@ -304,6 +304,28 @@ def test_partial_token_files_of_stopped_processes_are_removed(tmp_path):
   assert not stale.exists() and live.exists() and elsewhere.exists()
 
 
+def test_two_processes_building_one_cache_at_once_both_finish(tmp_path, monkeypatch):
+  """The hosts of a multi-host run (or two runs) tokenize the same files into one cache directory at once: a second
+  process that finishes while the first is between writing the cache's metadata and renaming it into place must
+  not take the first's file (both wrote `<key>.json.tmp`: the first's rename then raised FileNotFoundError)."""
+  files = _corpus(tmp_path)
+  cache = tmp_path / "cache"
+  code = ("import sys; from train import data; "
+          "data.build_token_cache(sys.argv[1:-1], 'byte', '', sys.argv[-1], log=None)")
+  replace = os.replace
+
+  def replace_after_another_build(src, dst):
+    if str(dst).endswith(".json") and not os.path.exists(dst):  # the other process finds no metadata: it builds
+      subprocess.run([sys.executable, "-c", code, *files, str(cache)], check=True, timeout=120,
+                     env={**os.environ, "PYTHONPATH": os.getcwd()})
+    replace(src, dst)
+  monkeypatch.setattr(data.os, "replace", replace_after_another_build)
+  toks = data.build_token_cache(files, "byte", "", str(cache), log=None)
+  monkeypatch.setattr(data.os, "replace", replace)
+  np.testing.assert_array_equal(toks, data.build_token_cache(files, "byte", "", str(cache), log=None))
+  assert sorted(p.suffix for p in cache.iterdir()) == [".bin", ".json"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
 def test_tokenizing_alone_leaves_the_process_alive_after_its_parent(tmp_path):
   """With one worker (one source file, or data.workers=1) the training process tokenizes by itself: it must not
