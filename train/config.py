@@ -8,6 +8,7 @@ Unknown keys fail with the list of valid ones, so a typo never silently falls ba
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import types
@@ -320,13 +321,25 @@ def convert(value: Any, tp: Any, where: str) -> Any:
   if tp is str:
     if isinstance(value, bool) and (where, value) in _WORDS_READ_AS_BOOL:
       return _WORDS_READ_AS_BOOL[where, value]
-    if isinstance(value, bool):
-      raise ConfigError(f"{where}: expected a string, got {value!r} (YAML reads yes/no/on/off unquoted as "
-                        f"true/false: quote the value)")
+    read_as = _read_as(value)
+    if read_as:
+      raise ConfigError(f"{where}: expected a string, got {value!r} (YAML reads {read_as}: quote the value)")
     if not isinstance(value, (str, int, float)):
       raise ConfigError(f"{where}: expected a string, got {value!r}")
     return str(value)
   raise TypeError(f"{where}: unsupported field type {tp}")
+
+
+def _read_as(value: Any) -> str | None:
+  """What YAML made of an unquoted word that was likely meant as a string (`run.out_dir=2026-12-06`, `=~/runs`), to
+  say in the error; None for other values."""
+  if isinstance(value, bool):
+    return "yes/no/on/off unquoted as true/false"
+  if value is None:
+    return "~ and null unquoted as no value"
+  if isinstance(value, datetime.date):
+    return "a date such as 2026-12-06 unquoted as a date"
+  return None
 
 
 def build(cls: type, raw: dict[str, Any], where: str = "") -> Any:

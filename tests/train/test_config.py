@@ -41,6 +41,11 @@ def test_yaml_and_overrides(tmp_path):
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
     ("run.compile_cache=on", r"run.compile_cache: expected a string, got True \(YAML reads"),
+    ("run.out_dir=2026-12-06", r"run.out_dir: expected a string, got datetime.date\(2026, 12, 6\) \(YAML reads a "
+                               r"date such as 2026-12-06 unquoted as a date: quote the value\)"),
+    ("run.out_dir=~", r"run.out_dir: expected a string, got None \(YAML reads ~ and null unquoted as no value"),
+    ("data.sources=[runs, 2026-12-06]", r"data.sources\[1\]: expected a string, got datetime.date\(2026, 12, 6\) "
+                                        r"\(YAML reads a date"),
     ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
     ("run.steps=.inf", r"run.steps: expected an int, got inf"),
     ("run.routes=[bf16,mxfp4,bf16]", r"run.routes=\['bf16', 'mxfp4', 'bf16'\] names a route twice"),
