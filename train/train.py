@@ -302,9 +302,24 @@ def check_out_dir(cfg: config_lib.Config) -> dict[str, Any] | None:
     raise UserError(f"{held} of a run.steps={saved_steps} learning-rate schedule; run.steps={r.steps} would go on "
                     f"along another one: use another run.out_dir for a longer run")
   if finished and (not steps or steps[-1] == r.steps):
-    with open(result) as f:
-      return json.load(f)
+    return _saved_result(result, checkpointed=bool(steps))
   return None
+
+
+def _saved_result(path: str, *, checkpointed: bool) -> dict[str, Any]:
+  """The table row a finished run saved in `path`; a UserError naming it where it holds none (damaged by a disk,
+  a copy cut short or an edit: `metrics.write_json` itself never leaves half a file), which would fail as a
+  traceback in the table."""
+  try:
+    with open(path) as f:
+      row = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    row = err
+  if not isinstance(row, dict) or not {"route", "steps", "status"} <= set(row):
+    again = "to evaluate its final checkpoint again" if checkpointed else "to train the run again"
+    raise UserError(f"{path} is damaged (it holds no result row of a run): delete it {again}, or use another "
+                    f"run.out_dir")
+  return row
 
 
 def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:

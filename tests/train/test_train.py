@@ -124,6 +124,13 @@ def test_a_finished_run_whose_checkpoints_were_deleted_reports_its_result(tmp_pa
   with pytest.raises(UserError, match=r"of a run.steps=4 learning-rate schedule; run.steps=6 would go on"):
     train.run(config.replace(cfg, run={"steps": 6}), TOKENS, TOKENS[:2000], 257)
   assert not os.path.exists(ckpt)  # nothing trained
+  result = os.path.join(cfg.run.out_dir, "result.json")
+  for damaged in ('{"route": "bf16", "st', "", "[]", '{"loss": 1}'):  # a copy cut short, an emptied or edited file
+    with open(result, "w") as f:
+      f.write(damaged)
+    with pytest.raises(UserError, match=r"result.json is damaged \(it holds no result row of a run\): delete it to "
+                                        r"train the run again, or use another run.out_dir"):
+      train.run(cfg, TOKENS, TOKENS[:2000], 257)
 
 
 def test_an_empty_step_folder_is_set_aside_like_other_damaged_steps(tmp_path, capsys):
