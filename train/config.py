@@ -33,6 +33,7 @@ _NON_NEGATIVE = (lambda v: 0 <= v < math.inf, "a finite number >= 0")
 _FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
 _OPEN_FRACTION = (lambda v: 0 < v < 1, "in (0, 1)")
 _BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+_SEED = (lambda v: 0 <= v < 2**63 - 1, ">= 0 and < 2**63 - 1 (run.seed + 1 seeds the held-out loss's key)")
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("cosine", "wsd")
 TOKENIZERS = ("byte", "gpt2", "sentencepiece")
@@ -200,7 +201,7 @@ class RunConfig:
   def __post_init__(self):
     expand_home(self, "out_dir")
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
-                                "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _AT_LEAST_0,
+                                "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _SEED,
                                 "out_dir": (bool, "a directory path, not empty"),
                                 "compile_cache": (bool, "'auto', 'none', 'off' or a directory path")})
     if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
@@ -302,14 +303,15 @@ def convert(value: Any, tp: Any, where: str) -> Any:
   if tp is int:
     if isinstance(value, bool) or not isinstance(value, (int, str, float)):
       raise ConfigError(f"{where}: expected an int, got {value!r}")
-    try:
-      out = int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+    try:  # a float (32.0, YAML 1.1's "1e3" string) must be integral; an int or int string is taken exactly
+      number = float(value) if isinstance(value, float) or (isinstance(value, str) and "e" in value.lower()) else None
+      out = int(value) if number is None else int(number)
     except (ValueError, OverflowError):  # OverflowError: "1e400", "inf"
       raise ConfigError(f"{where}: expected an int, got {value!r}") from None
-    if abs(out) >= 2**63:  # past what JAX's integers (and float's comparison below) hold
-      raise ConfigError(f"{where}: {value!r} is too large (|value| < 2**63)")
-    if out != float(value):
+    if number is not None and out != number:
       raise ConfigError(f"{where}: expected an int, got {value!r}")
+    if abs(out) >= 2**63:  # past what JAX's integers hold
+      raise ConfigError(f"{where}: {value!r} is too large (|value| < 2**63)")
     return out
   if tp is float:
     if isinstance(value, bool):

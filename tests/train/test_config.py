@@ -144,6 +144,14 @@ def test_model_overrides_take_the_llama_config_types():
   assert config.replace(cfg, model={"scan_layers": False}).model.overrides == o  # checked again, unchanged
 
 
+def test_large_ints_are_taken_exactly():
+  """An int past float's 2^53 is not "expected an int" (it was compared with its float, which rounds it)."""
+  assert config.load_config(None, [f"run.seed={2**53 + 1}"]).run.seed == 2**53 + 1
+  assert config.load_config(None, [f"run.seed='{2**62 + 1}'"]).run.seed == 2**62 + 1
+  with pytest.raises(config.ConfigError, match=r"run.seed=9223372036854775807 must be >= 0 and < 2\*\*63 - 1"):
+    config.load_config(None, [f"run.seed={2**63 - 1}"])  # JAX cannot make a key of run.seed + 1
+
+
 def test_documented_words_and_home_paths_are_read_as_meant():
   """`run.compile_cache=off` as documented (YAML reads it as false); a leading ~ in a path expanded as a shell
   would (no shell expands it after `=`: it made a directory named "~")."""
