@@ -57,6 +57,8 @@ def shape(value: str) -> tuple[int, int]:
 def out_file(value: str) -> str:
   """A file bench writes (replacing one that is there): its directory is made if missing and must be writable,
   and the path must not be a directory, checked before any work."""
+  if not value:  # an unset $VAR: the rows were written nowhere, silently
+    raise argparse.ArgumentTypeError("an empty path; name the file to write")
   path = os.path.expanduser(value)
   if os.path.isdir(path) or path.endswith(os.sep):  # "new/" names a folder, where open() fails after the work
     raise argparse.ArgumentTypeError(f"{value!r} is a directory; name a file in it")

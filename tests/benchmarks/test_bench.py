@@ -240,6 +240,7 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypat
     # Where results go is checked before any work: a directory in place of a file, a file in place of one.
     (["step", "--out", "{tmp}"], "argument --out: '.*' is a directory; name a file in it"),
     (["dot", "--out", "{tmp}/new/"], "argument --out: '.*new/' is a directory; name a file in it"),
+    (["step", "--out", ""], "argument --out: an empty path; name the file to write"),
     (["step", "--out", "{file}/rows.json"], "argument --out: its directory='.*file': cannot use it as a directory"),
     (["compile", "--hlo", "{file}"], "argument --hlo: directory='.*file': cannot use it as a directory"),
     (["program", "--dump", "{file}"], "argument --dump: directory='.*file': cannot use it"),
