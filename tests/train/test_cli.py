@@ -10,7 +10,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import cpu_devices
 from fp4jax import Impl
-from train import build, data
+from train import build, config, data
 from train.main import EXIT_USER_ERROR, main
 
 
@@ -86,6 +86,13 @@ def test_config_file_mistakes(tmp_path, capsys):
   bad.write_text("model: {preset: tiny\nroute: bf16\n")
   assert f"{bad}:2:6: malformed YAML (expected ',' or '}}', but got ':'); fix that line" in _error_line(
       capsys, ["--config", str(bad)])
+  twice = tmp_path / "twice.yaml"  # PyYAML keeps the last of two keys: the first run: section's steps were lost
+  twice.write_text(f"run:\n  steps: 7\nmodel: {{preset: tiny}}\nrun:\n  out_dir: {tmp_path / 'run'}\n")
+  assert f"{twice}:4:1: malformed YAML (key 'run' given twice, first on line 1); fix that line" in _error_line(
+      capsys, ["--config", str(twice)])
+  merged = tmp_path / "merged.yaml"  # a merge key's keys may be given again: that is what it is for
+  merged.write_text("base: &b {steps: 3, seed: 1}\nrun:\n  <<: *b\n  steps: 5\n")
+  assert config.read_yaml(str(merged))["run"] == {"steps": 5, "seed": 1}
 
 
 def test_data_mistakes(tmp_path, capsys):
