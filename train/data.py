@@ -88,6 +88,8 @@ def resolve_sources(sources: Sequence[str], where: str = "data.sources") -> list
     else:
       pattern = os.path.expanduser(s)
       found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+      if not found and os.path.isfile(pattern):  # a file named with glob characters, a[1].txt, matches itself
+        found = [pattern]
     if not found and s != "stdlib" and os.path.isdir(pattern):
       raise UserError(f"{where}: {s!r} is a directory; name its files with a glob, e.g. "
                       f"{os.path.join(s, '*')!r} ({os.path.join(s, '**', '*')!r} with its subfolders' files)")

@@ -73,6 +73,14 @@ def test_a_file_matched_by_two_sources_is_read_once(tmp_path):
   assert data.resolve_sources(["stdlib", "stdlib"]) == _stdlib_once()
 
 
+def test_a_file_named_with_glob_characters_is_a_source(tmp_path):
+  """`a[1].txt` as a glob matches `a1.txt`, not itself: the source 'matched no files'."""
+  (tmp_path / "a[1].txt").write_text("text\n")
+  (tmp_path / "b*.txt").write_text("text\n")
+  assert data.resolve_sources([str(tmp_path / "a[1].txt"), str(tmp_path / "b*.txt")]) == \
+      [str(tmp_path / "a[1].txt"), str(tmp_path / "b*.txt")]
+
+
 def test_cache_built_once(tmp_path, monkeypatch):
   files = _corpus(tmp_path)
   cache = str(tmp_path / "cache")
