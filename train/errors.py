@@ -15,6 +15,10 @@ class UserError(Exception):
   """A problem in the user's config, data or run directory; the message names it and says how to fix it."""
 
 
+class ConfigError(UserError, ValueError):
+  """A config file, key or value that cannot be right; raised while loading, before any data or model work."""
+
+
 def check_writable_dir(path: str | os.PathLike, what: str) -> None:
   """Makes directory `path` if missing and raises a UserError naming `what` if that cannot be done or nothing
   can be written there (a file in the way, no permission), before any work is done."""
