@@ -441,7 +441,8 @@ def _main(args: argparse.Namespace) -> int:
     records, notes = study_records(study)  # with the records this call added
   table = study_report.write(s.results, [e.name for e in study.entries], s.baseline, records, notes)
   print(table)
-  print(f"[study] report: {os.path.join(s.results, study_report.TABLE)} (plots beside it)", file=sys.stderr)
+  beside = " (plots beside it)" if records else ""  # with no record, table.md says so and no plot is written
+  print(f"[study] report: {os.path.join(s.results, study_report.TABLE)}{beside}", file=sys.stderr)
   if failed:
     print(f"python -m train.study: {len(failed)} run(s) diverged: {failed}", file=sys.stderr)
   return main_lib.EXIT_FAILED_RUN if failed else 0

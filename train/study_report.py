@@ -86,6 +86,8 @@ def read_record_files(results: str) -> list[tuple[str, dict[str, Any]]]:
       problem = _problem(rec)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       problem = f"not valid JSON ({e})"
+    except OSError as e:  # a folder of that name, a file it may not read
+      problem = f"not a readable file ({e.strerror})"
     if problem:
       raise UserError(f"{path} is not a study run record: {problem}. Restore it (git checkout), or delete it to "
                       f"train that run again")

@@ -173,6 +173,10 @@ def test_a_damaged_record_is_named_not_a_traceback(tmp_path, capsys):
     (runs / "bf16-seed1.json").write_text(text)
     with pytest.raises(UserError, match=rf"bf16-seed1.json is not a study run record: {problem}"):
       study_report.read_records(str(tmp_path / "res"))
+  (runs / "bf16-seed1.json").unlink()
+  (runs / "bf16-seed1.json").mkdir()  # was an IsADirectoryError traceback
+  with pytest.raises(UserError, match=r"bf16-seed1.json is not a study run record: not a readable file \(Is a dir"):
+    study_report.read_records(str(tmp_path / "res"))
   path = _study_file(tmp_path, results=str(tmp_path / "res"))
   assert study.main(["--config", path, "--report"]) == EXIT_USER_ERROR
   assert "delete it to train that run again" in capsys.readouterr().err
@@ -316,6 +320,15 @@ def test_report_without_records_or_shared_curve_steps(tmp_path):
   other = {**good, "seed": 1, "curve": {"step": [7, 9], "loss": [5.0, 4.0]}}
   table = study_report.write(str(results), ["bf16"], "bf16", [good, other])
   assert "| bf16 | bf16 | none | 2 |" in table and (results / "curves.png").stat().st_size > 1000
+
+
+def test_report_of_no_records_names_no_plots(tmp_path, capsys):
+  """`--report` before any run: table.md says no run is recorded, and the closing line promises no plots (it
+  said "plots beside it", and none were written)."""
+  assert study.main(["--config", _study_file(tmp_path), "--report"]) == 0
+  captured = capsys.readouterr()
+  assert "no run recorded yet" in captured.out and "[study] report:" in captured.err
+  assert "plots" not in captured.err and not (tmp_path / "results" / "curves.png").exists()
 
 
 def test_subsample_keeps_the_ends():
