@@ -69,9 +69,7 @@ def _negative_bits(kind: str, key: jax.Array | None):
     if key is not None:  # unread by fixed signs; a malformed one is still a caller's mistake, said now
       prng.check_key(key, f"Hadamard {kind=} (fixed signs: key= unused)")
     return (np.tile(np.asarray(D16, np.float32), spec.n // 16) < 0).astype(np.uint32)
-  if key is None:
-    raise ValueError(f"random-sign Hadamard {kind=} needs a key")
-  prng.check_key(key, f"random-sign Hadamard {kind=}")  # seed_words would read an int's or a batch's words
+  prng.check_key(key, f"random-sign Hadamard {kind=}")  # None too; seed_words would read an int's or a batch's words
   k0, k1 = prng.seed_words(key, prng.STREAM_HADAMARD_SIGNS)
   return prng.hash_bits(k0, k1, jax.lax.iota(jnp.uint32, spec.n)) >> 31
 
