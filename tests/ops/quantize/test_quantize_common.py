@@ -35,6 +35,29 @@ def test_e2m1_magnitudes():
                                 np.asarray(codecs.e2m1_decode(codes.astype(jnp.uint8))))
 
 
+def test_encode_rne_matches_the_codec_on_every_float_in_1_to_8():
+  """`common.encode_rne` (float adds, used by every RNE kernel) equals `codecs.e2m1_encode_rne` on every float32
+  in [1, 8) (each of its binades: every tie and saturation case), and on [0, 1) at every 61st float plus the
+  ties and their neighbours."""
+  encode = jax.jit(lambda m: common.encode_rne(m, None).astype(jnp.uint8))
+  want = jax.jit(codecs.e2m1_encode_rne)
+  one, eight = (int(np.float32(v).view(np.uint32)) for v in (1.0, 8.0))
+  chunks = [np.arange(start, min(start + (1 << 22), eight), dtype=np.uint32) for start in range(one, eight, 1 << 22)]
+  ties = np.float32([0.25, 0.75]).view(np.uint32)
+  chunks.append(np.concatenate([np.arange(0, one, 61, dtype=np.uint32), *[t + np.arange(-3, 4) for t in ties]]))
+  for c in chunks:
+    m = jnp.asarray(c.view(np.float32))
+    np.testing.assert_array_equal(np.asarray(encode(m)), np.asarray(want(m)))
+
+
+def test_pack_nibbles_and_with_sign_are_or():
+  codes = jnp.arange(16, dtype=jnp.int32)
+  lo, hi = jnp.meshgrid(codes, codes)
+  np.testing.assert_array_equal(np.asarray(common.pack_nibbles(lo, hi)), np.asarray(lo | (hi << 4)))
+  mags, signs = jnp.meshgrid(jnp.arange(8, dtype=jnp.int32), jnp.int32([0, 8]))
+  np.testing.assert_array_equal(np.asarray(common.with_sign(mags, signs)), np.asarray(mags | signs))
+
+
 def test_exact_helpers_in_interpret_mode():
   rng = np.random.default_rng(10)
   a, b = (jnp.asarray(rng.standard_normal(4096).astype(np.float32) * np.exp2(rng.integers(-60, 60, 4096)))

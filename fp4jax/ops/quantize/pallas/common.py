@@ -84,14 +84,19 @@ def magnitude_and_sign(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
 def encode_rne(mag: jax.Array, r24: jax.Array | None) -> jax.Array:
   """int32 E2M1 magnitude codes of float32 magnitudes in [0, 8), round-to-nearest-even, saturating at 6.
 
-  [1, 8): E2M1 is a float with one mantissa bit, so RNE on the float32 bits (add half an ulp of the kept bit,
-  plus one when that bit is odd) leaves (biased exponent, mantissa bit) = code + 252 in bits 22 and up.
-  [0, 1): the grid is 0, 0.5, 1: RNE(2 * mag) by the float32 add of 2^23 (one ulp = 1 there).
+  [1, 8): E2M1 is a float with one mantissa bit: its grid step in mag's binade [2^e, 2^(e+1)) is 2^(e-1), the
+  ulp of s = 2^(e+22). So the float32 add mag + s rounds mag to the grid, ties to even, and subtracting s again
+  is exact; the result's bits 22 and up are (biased exponent, mantissa bit) = code + 252. Both steps are exact
+  but for that one rounding (s is mag's exponent bits times 2^22), so a fused multiply-add formed from them
+  gives the same bits. [0, 1): the grid is 0, 0.5, 1: RNE(2 * mag) by the float32 add of 2^23 (one ulp = 1
+  there).
+  Floating-point adds rather than integer arithmetic on the bits, since the kernels are bound by their integer
+  instructions (`pack_nibbles`). tests/ops/quantize/test_quantize_common.py checks every float32 in [1, 8).
   """
   del r24
-  b = jax.lax.bitcast_convert_type(mag, jnp.int32)
-  big = jnp.minimum((b + ((b >> 22) & 1) + (0x1FFFFF - (252 << 22))) >> 22, 7)
-  small = jax.lax.bitcast_convert_type(mag * 2.0 + 8388608.0, jnp.int32) - 0x4B000000
+  s = as_f32(as_i32(mag) & F32_INF) * jnp.float32(2.0**22)
+  big = jnp.minimum(as_i32((mag + s) - s) >> 22, 259) - 252
+  small = as_i32(mag * 2.0 + 8388608.0) - 0x4B000000
   return jnp.where(mag < 1.0, small, big)
 
 
@@ -112,6 +117,20 @@ def encode_sr(mag: jax.Array, r24: jax.Array) -> jax.Array:
 
 
 ENCODERS = {"rne": encode_rne, "sr": encode_sr}
+
+
+def pack_nibbles(lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """int32 lo | hi << 4 of codes 0..15, as lo + 16 * hi (the same bits: the fields do not overlap).
+
+  The quantizers are bound by their integer instructions, not memory (docs/BENCHMARKS.md, "Session of
+  2026-12-06, 07:06 UTC"). A GPU issues ORs and shifts on its integer ALU only, where an add or a multiply by a
+  power of two can also go to the FMA pipe (IMAD), which ptxas does to balance the two. `with_sign` likewise."""
+  return lo + hi * 16
+
+
+def with_sign(code: jax.Array, sign: jax.Array) -> jax.Array:
+  """code | sign for a magnitude code 0..7 and a sign of 0 or 8, as an add (`pack_nibbles`)."""
+  return code + sign
 
 
 def e2m1_magnitude(code: jax.Array) -> jax.Array:
@@ -176,7 +195,7 @@ def pack_view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[in
   """
   amax = jnp.max(jnp.maximum(abs_lo, abs_hi).reshape(blocks), axis=axis, keepdims=True)
   finite, mul, scale = block_scale(amax)
-  packed = codes(abs_lo, sign_lo, r24_lo, mul) | (codes(abs_hi, sign_hi, r24_hi, mul) << 4)
+  packed = pack_nibbles(codes(abs_lo, sign_lo, r24_lo, mul), codes(abs_hi, sign_hi, r24_hi, mul))
   packed = jnp.where(finite, packed, 0)
   return packed.reshape(abs_lo.shape).astype(jnp.uint8), jnp.squeeze(scale, axis).astype(jnp.uint8)
 

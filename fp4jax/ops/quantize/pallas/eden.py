@@ -53,7 +53,7 @@ from fp4jax.ops.quantize.pallas import amax as amax_lib
 from fp4jax.ops.quantize.pallas import common, exact
 from fp4jax.ops.quantize.pallas.common import (F32_ABS, F32_INF, as_f32, as_i32, butterfly, e2m1_magnitude,
                                                encode_rne, halving_sum, halves, launch_name, magnitude_and_sign,
-                                               read_words, sign_words)
+                                               pack_nibbles, read_words, sign_words, with_sign)
 
 KERNEL_NAME = "fp4jax_eden_quantize"
 GROUP = EDEN_GROUP  # 128 elements along the quantized axis: one correction factor, one program
@@ -144,9 +144,9 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   u24 = prng.hash_bits(k0, k1, counter + p_ref[_OFFSET_SLOT] if cfg.offset else counter) >> 8
   u = jax.lax.bitcast_convert_type(u24, jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-24)
   scale = jnp.where(bad, _E4M3_NAN, e4m3_sr_bytes(t, u))
-  code = jnp.where(bad, 0, code | sign).reshape(rows // 2, 2, cols)
+  code = jnp.where(bad, 0, with_sign(code, sign)).reshape(rows // 2, 2, cols)
   lo, hi = halves(code)
-  codes_ref[0, :, :] = (lo | (hi << 4)).astype(jnp.uint8)  # [L/2, C]
+  codes_ref[0, :, :] = pack_nibbles(lo, hi).astype(jnp.uint8)  # [L/2, C]
   scales_ref[0, :, :] = scale.astype(jnp.uint8)  # [L/16, C]
   if cfg.targets:
     t_ref[0][0, :, :] = t

@@ -146,7 +146,7 @@ def _codes(a, sign, r24, mul, blocks: tuple[int, ...], cfg: OperandSpec) -> jax.
   """int32 E2M1 codes (sign in bit 3) of elements with |x| bits `a` [h, w] under block multipliers `mul`."""
   mag = jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * mul  # exact: a power of two
   encode = common.ENCODERS[cfg.rounding]
-  return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
+  return common.with_sign(encode(mag, None if r24 is None else r24.reshape(blocks)), sign.reshape(blocks))
 
 
 def _view(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int, int, int], axis: int,
@@ -168,8 +168,8 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: OperandSpec):
   amax = jnp.max(jnp.max(amax, axis=3, keepdims=True), axis=1, keepdims=True)  # [h/16, 1, w/16, 1]
   finite, mul, scale = _block_scale(amax, cfg)
   codes = {pq: jnp.where(finite, _codes(mag[pq], sign[pq], r24[pq], mul, tiles, cfg), 0) for pq in mag}
-  row_codes = [(codes[p, 0] | (codes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8) for p in range(2)]
-  col_codes = [(codes[0, q] | (codes[1, q] << 4)).reshape(h, w).T.astype(jnp.uint8) for q in range(2)]
+  row_codes = [common.pack_nibbles(codes[p, 0], codes[p, 1]).reshape(h, w).astype(jnp.uint8) for p in range(2)]
+  col_codes = [common.pack_nibbles(codes[0, q], codes[1, q]).reshape(h, w).T.astype(jnp.uint8) for q in range(2)]
   scale = scale.astype(jnp.uint8)
   row_scales = jnp.broadcast_to(scale, (h // 16, 16, w // 16, 1)).reshape(h, w // 16)
   col_scales = jnp.broadcast_to(scale, (h // 16, 1, w // 16, 16)).reshape(h // 16, w).T

@@ -212,8 +212,9 @@ def _view_46(abs_lo, abs_hi, sign_lo, sign_hi, r24_lo, r24_hi, blocks: tuple[int
     candidates.append((ok, byte, mags, err, sf))
   (ok, byte6, mags6, err6, _), (_, byte4, mags4, err4, sf4) = candidates
   four = (err4 < err6) & (sf4 <= p_ref[0, params.CAP4_SLOT])
-  lo, hi = (jnp.where(four, m4, m6) | s.reshape(blocks) for m6, m4, s in zip(mags6, mags4, (sign_lo, sign_hi)))
-  packed = jnp.where(ok, lo | (hi << 4), 0)
+  lo, hi = (common.with_sign(jnp.where(four, m4, m6), s.reshape(blocks))
+            for m6, m4, s in zip(mags6, mags4, (sign_lo, sign_hi)))
+  packed = jnp.where(ok, common.pack_nibbles(lo, hi), 0)
   return (packed.reshape(abs_lo.shape).astype(jnp.uint8),
           jnp.squeeze(jnp.where(four, byte4, byte6), axis).astype(jnp.uint8))
 
@@ -234,13 +235,13 @@ def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> No
     rcodes, rscale = row
     rscale = jnp.broadcast_to(rscale, (h // 8, 8, w // 8, 1)).reshape(h, w // 8).astype(jnp.uint8)
     for p in range(2):
-      rc_ref[:, p, :] = (rcodes[p, 0] | (rcodes[p, 1] << 4)).reshape(h, w).astype(jnp.uint8)  # [h, w]
+      rc_ref[:, p, :] = common.pack_nibbles(rcodes[p, 0], rcodes[p, 1]).reshape(h, w).astype(jnp.uint8)  # [h, w]
       rs_ref[:, p, :] = rscale  # [h, w/8]
   if cc_ref is not None:
     ccodes, cscale = col
     cscale = jnp.broadcast_to(cscale, (h // 8, 1, w // 8, 8)).reshape(h // 8, w).T.astype(jnp.uint8)
     for p in range(2):
-      cc_ref[:, p, :] = (ccodes[0, p] | (ccodes[1, p] << 4)).reshape(h, w).T.astype(jnp.uint8)  # [w, h]
+      cc_ref[:, p, :] = common.pack_nibbles(ccodes[0, p], ccodes[1, p]).reshape(h, w).T.astype(jnp.uint8)  # [w, h]
       cs_ref[:, p, :] = cscale  # [w, h/8]
 
 
