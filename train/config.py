@@ -200,7 +200,8 @@ class RunConfig:
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
                                 "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _SEED,
                                 "out_dir": (bool, "a directory path, not empty"),
-                                "compile_cache": (bool, "'auto', 'none', 'off' or a directory path")})
+                                "compile_cache": (lambda v: bool(v) and v.lower() not in ("on", "yes", "true"),
+                                                  "'auto', 'none', 'off' or a directory path")})
     if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
       raise ConfigError(f"run.mesh={list(self.mesh)} must be two sizes [data, fsdp], each >= 1 or one of them -1 "
                         f"(all the remaining devices)")
@@ -355,16 +356,33 @@ def build(cls: type, raw: dict[str, Any], where: str = "") -> Any:
   return cls(**kwargs)
 
 
-def _set_dotted(raw: dict[str, Any], assignment: str) -> None:
+def _declared_type(parts: list[str], sections: dict[str, Any]) -> Any:
+  """The type the schema declares for the dotted key `parts` (`sections`: the top-level keys' types); None for a
+  key it does not declare (an unknown key, one under a dict such as model.overrides), which `build` names."""
+  tp: Any = sections.get(parts[0])
+  for p in parts[1:]:
+    if not dataclasses.is_dataclass(tp):
+      return None
+    tp = typing.get_type_hints(tp).get(p)
+  return tp
+
+
+def _set_dotted(raw: dict[str, Any], assignment: str, sections: dict[str, Any]) -> None:
+  """Sets the dotted `key.sub=value`. The value of a key declared `str` is its text as typed (less surrounding
+  spaces, and the quotes around a quoted one), so `run.out_dir=1.10` names the folder 1.10, not 1.1; any other
+  value is read as YAML, as in a config file (`[a, b]`, `null`, `1e-3`)."""
   if "=" not in assignment:
     raise ConfigError(f"override {assignment!r} must look like key.sub=value")
   key, text = assignment.split("=", 1)
-  try:
-    value = yaml.safe_load(text) if text.strip() else ""
-  except yaml.YAMLError as e:
-    raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); quote "
-                      f"lists as --set 'key=[a,b]'") from e
   parts = key.strip().split(".")
+  if _declared_type(parts, sections) is str and text.strip()[:1] not in ("'", '"'):
+    value: Any = text.strip()
+  else:
+    try:
+      value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+      raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); "
+                        f"quote lists as --set 'key=[a,b]'") from e
   node = raw
   for p in parts[:-1]:
     child = node.setdefault(p, {})
@@ -374,11 +392,14 @@ def _set_dotted(raw: dict[str, Any], assignment: str) -> None:
   node[parts[-1]] = value
 
 
-def with_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = ()) -> dict[str, Any]:
-  """A copy of the raw (YAML) tree with each dotted `key.sub=value` override applied; nothing is checked yet."""
+def with_overrides(raw: dict[str, Any], overrides: typing.Sequence[str] = (), sections: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+  """A copy of the raw (YAML) tree with each dotted `key.sub=value` override applied; nothing is checked yet.
+  `sections`: the types of the top-level keys that `_set_dotted` reads string keys by (default: Config's)."""
   raw = _deepcopy(raw)
+  sections = typing.get_type_hints(Config) if sections is None else sections
   for o in overrides:
-    _set_dotted(raw, o)
+    _set_dotted(raw, o, sections)
   return raw
 
 

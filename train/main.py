@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file (see configs/)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, repeatable: --set optim.lr=1e-3 --set route=nvfp4")
+                 help="dotted override, repeatable: --set optim.lr=1e-3 --set route=nvfp4; the value is "
+                      "read as YAML, a string key's (a path, a name) kept as typed")
   p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/run-directory error too")
   args = p.parse_args(argv)
   return guarded(p.prog, args.debug, lambda: _run(args))

@@ -49,6 +49,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from typing import Any, TextIO
 
 from train import config as config_lib, interrupt, lock, main as main_lib, metrics, study_report
@@ -112,7 +113,8 @@ class Study:
 
 def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Study:
   """The study of a config file plus dotted overrides (`study.tokens=1e6` too); every run's config is checked."""
-  raw = config_lib.with_overrides(config_lib.read_yaml(path), overrides)
+  raw = config_lib.with_overrides(config_lib.read_yaml(path), overrides,
+                                 {**typing.get_type_hints(config_lib.Config), "study": Settings})
   section = raw.pop("study", None)
   if section is None:
     raise ConfigError(f"{path or 'the config'} has no study: section (routes, seeds, tokens, results); see "
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="a study config (configs/study_*.yaml)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, repeatable: --set study.tokens=1e6 --set data.batch_size=32")
+                 help="dotted override, repeatable: --set study.tokens=1e6 --set data.batch_size=32; the "
+                      "value is read as YAML, a string key's (a path, a name) kept as typed")
   p.add_argument("--only", nargs="+", action="extend", default=[], metavar="NAME:SEED",
                  help="run only these runs (e.g. --only mxfp4:1, one run per GPU call; --only mxfp4 for all of "
                       "an entry's seeds)")

@@ -40,10 +40,7 @@ def test_yaml_and_overrides(tmp_path):
     ("noequals", r"must look like key.sub=value"),
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
-    ("run.compile_cache=on", r"run.compile_cache: expected a string, got True \(YAML reads"),
-    ("run.out_dir=2026-12-06", r"run.out_dir: expected a string, got datetime.date\(2026, 12, 6\) \(YAML reads a "
-                               r"date such as 2026-12-06 unquoted as a date: quote the value\)"),
-    ("run.out_dir=~", r"run.out_dir: expected a string, got None \(YAML reads ~ and null unquoted as no value"),
+    ("run.compile_cache=on", r"run.compile_cache='on' must be 'auto', 'none', 'off' or a directory path"),
     ("data.sources=[runs, 2026-12-06]", r"data.sources\[1\]: expected a string, got datetime.date\(2026, 12, 6\) "
                                         r"\(YAML reads a date"),
     ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
@@ -64,6 +61,33 @@ def test_yaml_and_overrides(tmp_path):
 def test_errors(override, match):
   with pytest.raises(config.ConfigError, match=match):
     config.load_config(None, [override])
+
+
+@pytest.mark.parametrize("text, match", [
+    ("run: {compile_cache: on}", r"run.compile_cache: expected a string, got True \(YAML reads"),
+    ("run: {out_dir: 2026-12-06}", r"run.out_dir: expected a string, got datetime.date\(2026, 12, 6\) \(YAML reads a "
+                                   r"date such as 2026-12-06 unquoted as a date: quote the value\)"),
+    ("run: {out_dir: ~}", r"run.out_dir: expected a string, got None \(YAML reads ~ and null unquoted as no value"),
+])
+def test_file_values_yaml_misreads_are_named(tmp_path, text, match):
+  """In a config file a string key's value is YAML's: a word YAML reads as something else is refused by name."""
+  with pytest.raises(config.ConfigError, match=match):
+    config.load_config(_write(tmp_path, text))
+
+
+def test_set_keeps_the_text_of_string_keys():
+  """`--set` gives a key declared `str` its text as typed (YAML made run.out_dir=1.10 the folder 1.1, 0x10 16 and
+  2026-12-06 a date); a quoted one loses its quotes; other keys' values are still YAML (numbers, lists, bools,
+  null)."""
+  sets = ["run.out_dir=1.10", "data.cache_dir=0x10", "data.tokenizer_path=2026-12-06", "run.compile_cache= null ",
+          "model.dtype='float32'", "route=\"bf16\"", "optim.lr=1e-3", "run.mesh=[1, -1]", "run.resume=no",
+          "data.sources=[a.txt, b.txt]", "model.overrides.attention_impl=null", "data.seq_len=0x10"]
+  cfg = config.load_config(None, sets)
+  assert (cfg.run.out_dir, cfg.data.cache_dir, cfg.data.tokenizer_path) == ("1.10", "0x10", "2026-12-06")
+  assert cfg.run.compile_cache == "null" and cfg.model.dtype == "float32" and cfg.route == "bf16"
+  assert cfg.optim.lr == 1e-3 and cfg.run.mesh == (1, -1) and cfg.run.resume is False and cfg.data.seq_len == 16
+  assert cfg.data.sources == ("a.txt", "b.txt") and cfg.model.overrides["attention_impl"] is None
+  assert config.load_config(None, ["run.out_dir=~"]).run.out_dir == os.path.expanduser("~")
 
 
 def test_shipped_configs_resolve():

@@ -368,6 +368,13 @@ def test_bad_study_configs(tmp_path, override, match):
     study.load(_study_file(tmp_path), [override])
 
 
+def test_set_keeps_the_text_of_string_study_keys(tmp_path):
+  """`--set study.results=...` is a string key's text as typed, as for the training keys (YAML made 1.10 1.1)."""
+  s = study.load(_study_file(tmp_path), ["study.results=1.10", "run.out_dir=0x10", "study.tokens=1e3"])
+  assert s.settings.results == "1.10" and s.settings.tokens == 1000.0
+  assert s.runs[0].cfg.run.out_dir == os.path.join("0x10", "bf16-seed0")
+
+
 def test_only_selects_runs_by_name_and_seed_or_by_name(tmp_path):
   s = study.load(_study_file(tmp_path), [])
   keys = lambda only: [f"{r.name}:{r.seed}" for r in study.select(s, only)]
