@@ -332,7 +332,8 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   then out_dir, and in compare mode each route's out_dir/<route> (which a single-route run may name), is locked
   for the whole call (`train.lock.RunLock`). An out_dir that holds a run of the other layout (single-route or
   compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`). A call refused
-  (or stopped) before its first route runs removes the folders and LOCK files it made, and only those.
+  (or stopped) before its first route runs, or stopped by Ctrl-C before a route has a checkpoint (its first
+  step), removes the folders and LOCK files it made, and only those.
   """
   log = sys.stderr if log is None else log
   out_dirs = list(dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in build.route_configs(cfg)]))
@@ -351,13 +352,25 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
       splits = data.load_splits(cfg.data, files=files, tok=tok, log=log)
       route_data(cfg, *splits[:2])  # the routes differ in route and out_dir only: too few tokens fail here, once
     except BaseException:  # refused (or stopped) before any route ran: the directories as the call found them
-      for held_lock in reversed(locks):
-        held_lock.release(remove=True)
-      for path in sorted(made, key=len, reverse=True):  # a folder before the one that holds it
-        with contextlib.suppress(OSError):  # one that holds something now stays
-          os.rmdir(path)
+      _remove_made(locks, made)
       raise
-    return _run_routes(cfg, splits, log)
+    try:
+      return _run_routes(cfg, splits, log)
+    except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them `train.interrupt` saves the step in flight)
+      ckpts = [os.path.join(sub.run.out_dir, "ckpt") for _, sub in build.route_configs(cfg)]
+      if not any(checkpoint.saved_steps(c) for c in ckpts):  # before the first step: as a refused call
+        _remove_made(locks, made)
+      raise
+
+
+def _remove_made(locks: list[lock.RunLock], made: set[str]) -> None:
+  """The LOCK files that `locks` made and the folders in `made` that are still empty removed, while the locks are
+  held (`RunLock.release(remove=True)`): what a call that trained nothing leaves of its own."""
+  for held_lock in reversed(locks):
+    held_lock.release(remove=True)
+  for path in sorted(made, key=len, reverse=True):  # a folder before the one that holds it
+    with contextlib.suppress(OSError):  # one that holds something now stays
+      os.rmdir(path)
 
 
 def _missing_dirs(paths: list[str]) -> set[str]:

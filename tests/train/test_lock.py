@@ -125,3 +125,28 @@ def test_a_refused_run_leaves_the_out_dir_as_it_found_it(tmp_path, capsys, monke
   assert main(compare + [f"run.out_dir={tmp_path / 'new' / 'run'}"]) == EXIT_USER_ERROR
   assert capsys.readouterr().err.strip() == "python -m train: error: data refused"
   assert _tree(tmp_path) == found
+
+
+def test_a_run_stopped_before_its_first_step_leaves_the_out_dir_as_it_found_it(tmp_path, capsys, monkeypatch):
+  """Ctrl-C after the call has locked its directories and loaded the data, before the first step (here while the
+  first route builds its state): the LOCK files and folders the call made are removed, as for a refused run (an
+  empty LOCK was left behind); what was there before stays."""
+  from train import train
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def add(a, b):\n    return a + b\n\n" * 300)
+  root = tmp_path / "out"
+  (root / "old").mkdir(parents=True)
+  (root / "old" / "LOCK").write_text("")  # an earlier run's: kept
+
+  def stopped(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(train, "init_train_state", stopped)
+  found = _tree(root)
+  common = ["--set", "model.dtype=float32", "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set",
+            f"data.sources=[{corpus}]", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.workers=1",
+            "--set", "data.eval_fraction=0.1", "--set", "run.eval_batches=1"]
+  for out_dir, routes in ((root / "new" / "run", "[bf16, mxfp4]"), (root / "old", "[]")):
+    assert main(common + ["--set", f"run.out_dir={out_dir}", "--set", f"run.routes={routes}"]) == 130
+    assert "interrupted outside the training steps" in capsys.readouterr().err
+    assert _tree(root) == found
