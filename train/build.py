@@ -114,7 +114,7 @@ def preflight(cfg: config_lib.Config) -> tuple[tuple[list[str], list[str]], toke
     rules = route_rules(sub, lcfg.n_layers)
     used |= {rules.default, *(route for _, route in rules.rules + rules.fallback)}
   check_kernels(cfg, used)
-  check_attention(lcfg)
+  check_attention(lcfg, cfg.model.dtype)
   mesh = check_mesh(cfg)
   for _, sub in route_configs(cfg):  # a route may change the parameters' layout (scan_layers: auto)
     check_param_sharding(sub, lcfg, mesh)
@@ -136,12 +136,19 @@ def check_kernels(cfg: config_lib.Config, routes) -> None:
   check_impl(cfg.kernels.impl(), routes, "kernels")
 
 
-def check_attention(lcfg) -> None:
-  """Fails with a UserError if the model asks for cuDNN's attention off a GPU, where its first call would raise
-  after tokenizing (`attention_impl: auto` takes cuDNN's only where it runs)."""
-  if lcfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+def check_attention(lcfg, dtype: str) -> None:
+  """Fails with a UserError if the model asks for cuDNN's attention off a GPU, or in `dtype` (model.dtype) float32,
+  which cuDNN's flash attention does not take (bf16/fp16 only): its first call would raise after tokenizing
+  (`attention_impl: auto` takes cuDNN's only where it runs)."""
+  if lcfg.attention_impl != "cudnn":
+    return
+  if jax.default_backend() != "gpu":
     raise UserError(f"model.overrides.attention_impl='cudnn' needs a GPU (this backend: {jax.default_backend()}); "
                     f"use 'auto' (cuDNN's attention where it runs, else XLA's) or 'xla'")
+  if dtype != "bfloat16":
+    raise UserError(f"model.overrides.attention_impl='cudnn' takes bfloat16 only (cuDNN's flash attention), not "
+                    f"model.dtype={dtype!r}; set model.dtype=bfloat16, or attention_impl 'auto' or 'xla' (XLA's "
+                    f"attention in {dtype})")
 
 
 def check_impl(impl, routes, what: str) -> None:

@@ -71,6 +71,19 @@ def test_config_mistakes_are_one_line_before_any_data_work(tmp_path, capsys, no_
   assert match in _error_line(capsys, _args(tmp_path, *sets))
 
 
+def test_cudnn_attention_in_float32_is_a_mistake_on_a_gpu(tmp_path, capsys, no_data_work, monkeypatch):
+  """cuDNN's flash attention takes bf16/fp16 only: model.dtype=float32 with attention_impl=cudnn failed when the
+  first step traced, after tokenizing; in bfloat16 the check passes (here the backend only says it is a GPU)."""
+  monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(build, "check_kernels", lambda *a: None)  # the CPU's kernels, which a GPU's check refuses
+  assert _error_line(capsys, _args(tmp_path, "model.overrides.attention_impl=cudnn", "model.dtype=float32")) == (
+      "python -m train: error: model.overrides.attention_impl='cudnn' takes bfloat16 only (cuDNN's flash "
+      "attention), not model.dtype='float32'; set model.dtype=bfloat16, or attention_impl 'auto' or 'xla' (XLA's "
+      "attention in float32)")
+  lcfg = build.llama_config(config.load_config(None, ["model.overrides.attention_impl=cudnn"]), 257)
+  build.check_attention(lcfg, "bfloat16")
+
+
 def test_kernel_check_passes_the_mosaic_gemm_for_an_h200():
   """The check traces fp4_dot at sizes every GEMM backend tiles: the mosaic backend's CTA tiles need a side of
   256, and the check's 128-wide product refused `kernels.gemm: mosaic` on the GPUs it is for."""
