@@ -67,10 +67,20 @@ def out_file(value: str) -> str:
 
 
 def out_dir(value: str) -> str:
-  """A directory bench writes files into (made if missing; files of the same names are replaced), checked
-  before any work."""
+  """A directory bench writes files into (made by the writer if missing; files of the same names are replaced),
+  checked before any work: a writable directory, or a path whose nearest existing folder above is one. Nothing is
+  made here, so a command refused after parsing leaves no empty folder."""
   path = os.path.expanduser(value)
-  _writable_dir(path, "directory")
+  if os.path.isdir(path):
+    _writable_dir(path, "directory")
+    return path
+  above = path
+  while not os.path.lexists(above):
+    above = os.path.dirname(above) or "."
+  if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+    why = "not a directory" if not os.path.isdir(above) else "not writable"
+    raise argparse.ArgumentTypeError(f"directory={path!r}: cannot use it as a directory ({above!r} is {why}); "
+                                     f"choose another")
   return path
 
 

@@ -216,10 +216,11 @@ def test_cli_errors():
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch, cpu_backend):
   """Input mistakes are a one-line error and exit status 2 (1 means a failed check), never a traceback. Off a GPU
   (`cpu_backend`): cuDNN's attention and the mosaic GEMM are mistakes there."""
-  monkeypatch.chdir(tmp_path)  # the output folders some of them name (--hlo x) are made while parsing
+  monkeypatch.chdir(tmp_path)  # where the output folders some of them name (--hlo x) would go
   assert main(["--compile-cache", "off", *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and re.search(message, err), err
+  assert not os.listdir(tmp_path)  # a refused command makes no folder (--hlo x made x while parsing)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -243,6 +244,8 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypat
     (["step", "--out", ""], "argument --out: an empty path; name the file to write"),
     (["step", "--out", "{file}/rows.json"], "argument --out: its directory='.*file': cannot use it as a directory"),
     (["compile", "--hlo", "{file}"], "argument --hlo: directory='.*file': cannot use it as a directory"),
+    (["step", "--hlo", "{file}/new/hlo"], r"argument --hlo: directory='.*file/new/hlo': cannot use it as a "
+                                          r"directory \('.*file' is not a directory\)"),
     (["program", "--dump", "{file}"], "argument --dump: directory='.*file': cannot use it"),
     (["quantize", "--out", "{file}"], "argument --out: directory='.*file': cannot use it"),
 ])
