@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -101,13 +102,19 @@ def check_param_sharding(cfg: config_lib.Config, lcfg, mesh: Mesh) -> None:
                   + f"model.overrides whose sharded sizes are multiples of {split}")
 
 
-def preflight(cfg: config_lib.Config) -> tuple[tuple[list[str], list[str]], tokenizers.Tokenizer]:
+def preflight(cfg: config_lib.Config, log: TextIO = sys.stderr
+              ) -> tuple[tuple[list[str], list[str]], tokenizers.Tokenizer]:
   """Every check of `cfg` that needs no tokens, so that a mistake shows before any tokenizing or compiling:
   the tokenizer loads, the model and route rules build, the mesh fits the devices, the batch and every sharded
   parameter dimension, and every data source names text files, none both a train and a held-out one. Returns
   those files (`data.resolve_data`) and the tokenizer, for `data.load_splits`.
-  (`run_all` then checks what each route's out_dir holds, once it has locked it.)"""
+  (`run_all` then checks what each route's out_dir holds, once it has locked it.) A data.tokenizer_path that the
+  byte tokenizer does not read is a warning on `log`, not a mistake: `--set data.tokenizer=byte` over a config
+  that names a GPT-2 tokenizer's files still runs."""
   tok = tokenizers.get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
+  if cfg.data.tokenizer == "byte" and cfg.data.tokenizer_path:
+    log.write(f"[train] warning: data.tokenizer_path={cfg.data.tokenizer_path!r} is ignored: data.tokenizer=byte "
+              f"reads no files\n")
   lcfg = llama_config(cfg, tok.vocab_size)
   used = set()  # the routes of every run's rules, each traced once
   for _, sub in route_configs(cfg):

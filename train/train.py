@@ -341,7 +341,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   with contextlib.ExitStack() as held:
     locks: list[lock.RunLock] = []
     try:
-      files, tok = build.preflight(cfg)
+      files, tok = build.preflight(cfg, log)
       if jax.process_index() == 0:
         for out_dir in out_dirs:
           locks.append(held.enter_context(lock.RunLock(out_dir, log=log)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -10,7 +11,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import cpu_devices
 from fp4jax import Impl
-from train import build, config, data
+from train import build, config, data, errors
 from train.main import EXIT_USER_ERROR, main
 
 
@@ -82,6 +83,20 @@ def test_cudnn_attention_in_float32_is_a_mistake_on_a_gpu(tmp_path, capsys, no_d
       "attention in float32)")
   lcfg = build.llama_config(config.load_config(None, ["model.overrides.attention_impl=cudnn"]), 257)
   build.check_attention(lcfg, "bfloat16")
+
+
+def test_a_tokenizer_path_the_byte_tokenizer_ignores_is_one_warning(tmp_path, capsys, monkeypatch):
+  """data.tokenizer_path with data.tokenizer=byte (`--set data.tokenizer=byte` over a GPT-2 config) was ignored
+  silently: one warning line at the checks before the data, only where both are set."""
+  def stop(*args, **kwargs):
+    raise errors.UserError("stopped at the data")
+
+  monkeypatch.setattr(data, "load_splits", stop)
+  for sets, warned in ((["data.tokenizer_path=~/gpt2"], True), ([], False)):
+    assert main(_args(tmp_path, *sets)) == EXIT_USER_ERROR
+    lines = [l for l in capsys.readouterr().err.splitlines() if "warning" in l]
+    assert lines == ([f"[train] warning: data.tokenizer_path={os.path.expanduser('~/gpt2')!r} is ignored: "
+                      f"data.tokenizer=byte reads no files"] if warned else [])
 
 
 def test_kernel_check_passes_the_mosaic_gemm_for_an_h200():
