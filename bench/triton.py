@@ -7,7 +7,8 @@ lowering, compiled to PTX and cubin for sm_90 by the `triton` package (not an fp
 XLA compiles the same Triton IR with its own Triton build, so the seconds are a proxy; a kernel that is slow here
 (e.g. one pass taking most of the time: rerun with MLIR_ENABLE_TIMING=1) was slow on the H200 too. Prints, per
 kernel: IR size, compile seconds, and from the PTX the instructions per thread (straight-line kernels, so what
-each thread issues: the quantizers are bound by it, docs/BENCHMARKS.md), the shared-memory and shuffle traffic
+each thread issues), the machine code's (SASS, by the package's nvdisasm) with those on the integer ALU and on
+the FMA pipes (the quantizers are bound by the ALU's: docs/BENCHMARKS.md), the shared-memory and shuffle traffic
 (layout conversions), the registers and spill stores `ptxas -v` reports (the `triton` package's ptxas), and a
 fingerprint of the PTX's code (`ptx_fingerprint`): run before and after a change to the kernels' Python, equal
 fingerprints show on a CPU that the GPU code did not change.
@@ -147,6 +148,34 @@ def ptx_fingerprint(ptx: str) -> str:
   return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
+# SASS opcodes a Hopper SM issues on its integer ALU (integer and logic ops, compares, selects, min/max, byte
+# permutes) and on its FMA pipes (float multiply-adds, and the integer multiply-adds IMAD that ptxas also uses
+# for adds, moves and left shifts to balance the two). The quantizers are bound by the ALU's share
+# (docs/BENCHMARKS.md, "Session of 2026-12-06, 07:06 UTC").
+ALU_OPCODES = frozenset({"LOP3", "SHF", "IADD3", "VIADD", "VIMNMX", "VIMNMX3", "ISETP", "SEL", "PRMT", "LEA", "SGXT",
+                         "BMSK", "ISCADD", "FSETP", "FSEL", "FSET", "FMNMX"})
+FMA_OPCODES = frozenset({"IMAD", "FFMA", "FMUL", "FADD", "I2FP"})
+_SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def sass_pipes(sass: str) -> tuple[int, int, int]:
+  """(instructions, integer-ALU ones, FMA-pipe ones) of `nvdisasm -c` output: per thread, the kernels being
+  straight-line code."""
+  opcodes = _SASS_OPCODE.findall(sass)
+  return len(opcodes), sum(o in ALU_OPCODES for o in opcodes), sum(o in FMA_OPCODES for o in opcodes)
+
+
+def disassemble(cubin: bytes) -> str:
+  """SASS text of a cubin by the `triton` package's nvdisasm (beside its ptxas)."""
+  from triton import knobs  # pylint: disable=g-import-not-at-top
+  nvdisasm = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "nvdisasm")
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "kernel.cubin")
+    with open(path, "wb") as f:
+      f.write(cubin)
+    return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
 def ptxas_usage(ptx: str) -> tuple[int, int]:
   """(registers per thread, spill-store bytes) that the `triton` package's ptxas reports for sm_90a PTX. The
   package's tool settings (`triton.knobs`) name it: `get_ptxas()` of 3.5.1 returns that setting, and later
@@ -188,8 +217,9 @@ def run(args: argparse.Namespace) -> None:
       ptx = kernel.asm["ptx"]
       count = lambda pattern: len(re.findall(pattern, ptx))
       registers, spills = ptxas_usage(ptx)
+      sass, alu, fma = sass_pipes(disassemble(kernel.asm["cubin"]))
       line += (f"  compile {seconds:6.1f} s  PTX {ptx.count(chr(10)):6d} lines, {ptx_instructions(ptx):6d} "
-               f"instructions  st/ld.shared {count(r'st\.shared')}/{count(r'ld\.shared')}  shfl {count(r'shfl')}  "
-               f"smem {kernel.metadata.shared} B  registers {registers} (spills {spills} B)  "
-               f"PTX code {ptx_fingerprint(ptx)}")
+               f"instructions  SASS {sass} (ALU {alu}, FMA {fma})  st/ld.shared {count(r'st\.shared')}/"
+               f"{count(r'ld\.shared')}  shfl {count(r'shfl')}  smem {kernel.metadata.shared} B  registers "
+               f"{registers} (spills {spills} B)  PTX code {ptx_fingerprint(ptx)}")
     print(line, flush=True)

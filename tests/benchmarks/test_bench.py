@@ -290,15 +290,31 @@ def test_ptx_fingerprint_follows_the_code_not_its_debug_lines():
   assert re.fullmatch(r"[0-9a-f]{12}", triton.ptx_fingerprint(ptx(7)))
 
 
+def test_sass_pipes_counts_opcodes_by_pipe():
+  """`bench triton`'s SASS counts: opcodes with their modifiers and predicates, integer-ALU and FMA-pipe ones."""
+  sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   LOP3.LUT R51, R73, 0x3f, RZ, 0xc0, !PT ;
+        /*0020*/                   IMAD.SHL.U32 R48, R51, 0x20, RZ ;
+        /*0030*/              @!P2 FFMA R71, R31, R0, 8388608 ;
+        /*0040*/               @P0 SHF.R.U32.HI R24, RZ, 0x16, R31 ;
+        /*0050*/                   VIMNMX3.U32 R0, R36, R29, R0, !PT ;
+        /*0060*/                   EXIT ;
+  """
+  assert triton.sass_pipes(sass) == (7, 3, 2)
+
+
 def test_triton_reports_instructions_and_registers(capsys):
   """`bench triton`: per kernel, the PTX instructions per thread and ptxas's registers (needs the `triton`
   package, not an fp4jax dependency)."""
   pytest.importorskip("triton")
   main(["triton", "--shape", "256x256", "mx rne"])
   out = capsys.readouterr().out
-  instructions, registers = re.search(r"(\d+) instructions .* registers (\d+) \(spills \d+ B\)  PTX code "
-                                      r"[0-9a-f]{12}", out).groups()
+  instructions, sass, alu, fma, registers = re.search(
+      r"(\d+) instructions  SASS (\d+) \(ALU (\d+), FMA (\d+)\) .* registers (\d+) \(spills \d+ B\)  PTX code "
+      r"[0-9a-f]{12}", out).groups()
   assert int(instructions) > 100 and 0 < int(registers) <= 255, out
+  assert 0 < int(alu) + int(fma) < int(sass), out
 
 
 def test_ptxas_usage_with_a_later_triton(monkeypatch):
