@@ -55,33 +55,46 @@ def shape(value: str) -> tuple[int, int]:
 
 
 def out_file(value: str) -> str:
-  """A file bench writes (replacing one that is there): its directory is made if missing and must be writable,
-  and the path must not be a directory, checked before any work."""
+  """A file bench writes (replacing one that is there; `made_parent` makes its folder when it writes), checked
+  before any work: not a directory, in a folder that is writable or can be made (`out_dir`)."""
   if not value:  # an unset $VAR: the rows were written nowhere, silently
     raise argparse.ArgumentTypeError("an empty path; name the file to write")
   path = os.path.expanduser(value)
   if os.path.isdir(path) or path.endswith(os.sep):  # "new/" names a folder, where open() fails after the work
     raise argparse.ArgumentTypeError(f"{value!r} is a directory; name a file in it")
-  _writable_dir(os.path.dirname(path) or ".", "its directory")
+  _usable_dir(os.path.dirname(path) or ".", "its directory")
+  return path
+
+
+def made_parent(path: str) -> str:
+  """`path` (an `out_file`), its folder made if missing: what a writer opens, so that a command refused after
+  parsing leaves no folder behind."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   return path
 
 
 def out_dir(value: str) -> str:
   """A directory bench writes files into (made by the writer if missing; files of the same names are replaced),
-  checked before any work: a writable directory, or a path whose nearest existing folder above is one. Nothing is
-  made here, so a command refused after parsing leaves no empty folder."""
+  checked before any work (`_usable_dir`). Nothing is made here, so a command refused after parsing leaves no
+  empty folder."""
   path = os.path.expanduser(value)
+  _usable_dir(path, "directory")
+  return path
+
+
+def _usable_dir(path: str, what: str) -> None:
+  """Refuses (ArgumentTypeError) a `path` that is not a writable directory and cannot be made one: the nearest
+  existing folder above a missing path must be a writable directory."""
   if os.path.isdir(path):
-    _writable_dir(path, "directory")
-    return path
+    _writable_dir(path, what)
+    return
   above = path
   while not os.path.lexists(above):
     above = os.path.dirname(above) or "."
   if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
     why = "not a directory" if not os.path.isdir(above) else "not writable"
-    raise argparse.ArgumentTypeError(f"directory={path!r}: cannot use it as a directory ({above!r} is {why}); "
+    raise argparse.ArgumentTypeError(f"{what}={path!r}: cannot use it as a directory ({above!r} is {why}); "
                                      f"choose another")
-  return path
 
 
 def _writable_dir(path: str, what: str) -> None:

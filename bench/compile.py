@@ -391,7 +391,7 @@ def _row(name: str, route: str, phases: dict) -> dict:
 def _write(path: str | None, rows: list[dict], info: dict | None = None) -> None:
   """`--out`: the rows and `info` (default: this process's device, JAX version and date) as JSON."""
   if path:
-    with open(path, "w") as f:
+    with open(args_lib.made_parent(path), "w") as f:
       json.dump({"info": info or dot.device_info(), "rows": rows}, f, indent=1)
 
 

@@ -176,7 +176,7 @@ class _Rows:
 
   def dump(self) -> None:
     if self.out:
-      with open(self.out, "w") as f:
+      with open(args_lib.made_parent(self.out), "w") as f:
         json.dump({**self.meta, "rows": self.rows}, f, indent=1)
 
   def table(self) -> str:

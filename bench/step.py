@@ -338,5 +338,5 @@ def run(args: argparse.Namespace) -> None:
     rows.append(row)
     print(_table(rows), flush=True)  # the table so far: a long run stopped midway still reports its routes
     if args.out:
-      with open(args.out, "w") as f:
+      with open(args_lib.made_parent(args.out), "w") as f:
         json.dump({"info": dot.device_info(), "rows": rows}, f, indent=1)

@@ -39,7 +39,7 @@ def test_hlo_check_parser():
   assert dot.cublas_fp8_gemms(by_name) == ["__cublas$lt$matmul$f8"]
 
 def test_bench_dot_small_smoke(tmp_path, capsys):
-  out = tmp_path / "dot.json"
+  out = tmp_path / "new" / "dot.json"  # a folder that --out's writer makes
   main(["dot", "--small", "--shapes", "2", "--routes", "bf16", "--iters", "1", "--warmup", "1",
               "--out", str(out)])
   printed = capsys.readouterr().out
@@ -206,6 +206,8 @@ def test_cli_errors():
     (["diagnose", "--shape", "64", "64", "64", "--routes", "mxfp4"],
      r"--shape not read without --stress \(it is --stress's linear shape\); drop it$"),
     (["step", "--preset", "tiny", "--tokens", "2x16", "--attention", "cudnn", "--routes", "bf16"], "cudnn needs a GPU"),
+    (["step", "--preset", "tiny", "--tokens", "2x16", "--attention", "cudnn", "--routes", "bf16", "--out",
+      "rows/step.json"], "cudnn needs a GPU"),  # --out's folder is made by the writer, not while parsing
     (["step", "--preset", "tiny", "--tokens", "3x16", "--microbatches", "2", "--routes", "bf16"],
      "batch of 3 sequences does not split into --microbatches 2 equal passes"),
     (["step", "--preset", "tiny", "--tokens", "2x16", "--microbatches", "2", "--routes", "flax_fp8"],
