@@ -124,6 +124,8 @@ def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None =
              inverse: bool = False) -> jax.Array:
   """Applies the blockwise transform of `kind` along `axis` (its inverse, M^T, if `inverse`); float32 result."""
   spec = _kind(kind)
+  if not -x.ndim <= axis < x.ndim:  # x.shape[axis] would fail as "tuple index out of range"
+    raise ValueError(f"Hadamard {kind=}: {axis=} is out of range for x.shape={x.shape}")
   n, length = spec.n, x.shape[axis]
   if length % n:
     raise ValueError(f"Hadamard {kind=}: axis length {length} (x.shape={x.shape}, {axis=}) must be a multiple "

@@ -79,6 +79,8 @@ def test_gemm_invariance():
     (lambda: hadamard(jnp.ones((4, 32)), "h16", key=jnp.zeros(2)), "fixed signs: key= unused.* needs a key"),
     (lambda: hadamard(jnp.ones((4, 48)), "h32"), "multiple of 32"),
     (lambda: hadamard(jnp.ones((4, 32)), "h64"), "known kinds"),
+    (lambda: hadamard(jnp.ones((32, 32)), "h16", axis=2), r"axis=2 is out of range for x.shape=\(32, 32\)"),
+    (lambda: hadamard(jnp.ones((32,)), "h16", axis=-2), "axis=-2 is out of range"),
 ])
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
