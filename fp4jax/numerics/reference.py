@@ -398,6 +398,9 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   """
   if like.scales is None:
     raise ValueError(f"encode_like encodes onto a block-scaled QTensor's scales; {like.fmt!r} has none")
+  if tuple(x.shape) != tuple(like.shape):  # a transposed x of as many elements would reshape into garbage
+    raise ValueError(f"encode_like takes x shaped like the QTensor it encodes onto: x.shape={tuple(x.shape)}, "
+                     f"like.shape={tuple(like.shape)}")
   spec = like.spec
   xk = jnp.moveaxis(ieee.to_float32(x), like.axis, -1)  # [..., n]
   lead, n = xk.shape[:-1], xk.shape[-1]

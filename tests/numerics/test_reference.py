@@ -274,6 +274,9 @@ def test_encode_like_zero_blocks_and_fp8():
     np.testing.assert_array_equal(ref.encode_like(ref.dequantize(q), q).codes, q.codes, err_msg=fmt)
   with pytest.raises(ValueError, match="encode_like .* 'fp8_e4m3' has none"):
     ref.encode_like(x, ref.quantize(x, "fp8_e4m3"))
+  q = ref.quantize(jnp.ones((64, 32)), "mxfp4")
+  with pytest.raises(ValueError, match=r"x shaped like .*x.shape=\(32, 64\), like.shape=\(64, 32\)"):
+    ref.encode_like(jnp.ones((32, 64)), q)  # as many elements, transposed: it reshaped into wrong codes
 
 
 @pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"],
