@@ -170,6 +170,8 @@ def _codes(a, sign, r24, enc, blocks: tuple[int, ...], rounding: str) -> jax.Arr
   """int32 E2M1 codes (sign in bit 3) of elements with |x| bits `a` [h, w] under unit encoders `enc`."""
   mag = jnp.minimum(jax.lax.bitcast_convert_type(a, jnp.float32).reshape(blocks) * enc, E2M1_MAX)
   encode = common.ENCODERS[rounding]
+  # An OR, not `common.with_sign`'s add: here the add raised the values kernels' integer instructions
+  # (docs/BENCHMARKS.md, "Session of 2026-12-06, 07:06 UTC").
   return encode(mag, None if r24 is None else r24.reshape(blocks)) | sign.reshape(blocks)
 
 
