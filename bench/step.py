@@ -88,6 +88,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                       help="the FP4 GEMM backend (fp4jax.Impl(gemm=...); default: %(default)s)")
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
+  parser.add_argument("--unfused-producers", action="store_true",
+                      help="SwiGLU and its backward written out before the quantizers read them "
+                           "(fp4jax.Impl(fuse_producers=False)), not computed in the quantizers' pass")
   parser.add_argument("--microbatches", type=args_lib.int_at_least(1), default=1, metavar="N",
                       help="split each step's batch into N sequential passes, gradients averaged (train's "
                            "data.microbatches; default: %(default)s)")
@@ -185,10 +188,11 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
   step_fn, create, abstract, tokens_spec, cfg, scan = llama_step(
       args.preset, route, batch=batch, seq=seq, scan=args.scan, layers=args.layers, attention=args.attention,
       scan_saves=args.scan_saves, fuse_linears=not args.unfused_linears, microbatches=args.microbatches,
-      impl=Impl(gemm=args.gemm))
+      impl=Impl(gemm=args.gemm, fuse_producers=not args.unfused_producers))
   row = {"route": route, "preset": args.preset, "layers": cfg.n_layers, "batch": batch, "seq": seq,
          "scan": scan, "scan_saves": args.scan_saves if scan else None, "attention": args.attention,
-         "gemm": args.gemm, "fused_linears": cfg.fuse_linears, "microbatches": args.microbatches}
+         "gemm": args.gemm, "fused_linears": cfg.fuse_linears, "fused_producers": not args.unfused_producers,
+         "microbatches": args.microbatches}
   t0 = time.perf_counter()
   compiled, report = compiling.compile_program(jax.jit(step_fn, donate_argnums=0), abstract, tokens_spec,
                                                jax.ShapeDtypeStruct((), jnp.int32), **args_lib.kernels_first(args))
@@ -326,6 +330,7 @@ def run(args: argparse.Namespace) -> None:
   print(f"bench step: {dot.device_info()} preset {args.preset}{layers}, {batch}x{seq} tokens, "
         f"{_blocks(args)}, attention {args.attention}, "
         f"linears {'unfused' if args.unfused_linears else 'fused'}"
+        f"{', SwiGLU written out' if args.unfused_producers else ''}"
         f"{f', {args.microbatches} microbatches per step' if args.microbatches > 1 else ''}", flush=True)
   rows = []
   for route in args.routes:

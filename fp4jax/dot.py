@@ -17,6 +17,8 @@ Residuals (what the forward saves for the backward): only what the backward GEMM
     With 2-D tiles and dgrad_w == fprop_w (RNE, no transform) it is the fprop QTensor read in the other
     orientation (same codes and tile scales, no second quantization).
   * the key.
+  * for an x given as a `numerics.produced.Produced`, the op's inputs (y of `Produced("swiglu", (y,))`), through
+    whose `jax.vjp` the backward turns dX into their cotangents.
   Each saved array is tagged `checkpoint_name(..., RESIDUALS)`, so a `jax.checkpoint` policy (the scanned Llama
   blocks') can keep them instead of re-running the quantizers in the backward.
   With `requantize_saved` (Quartet II) those QTensors are quantized from the dequantized fprop FP4 X and W,
@@ -46,8 +48,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import platform, route as route_lib
 from fp4jax.impl import Impl
-from fp4jax.numerics import prng
+from fp4jax.numerics import prng, produced
 from fp4jax.numerics.formats import FORMATS
+from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.qtensor import QTensor, Quantized, pack_codes
 from fp4jax.numerics.values import dequantize
 from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_x64
@@ -75,7 +78,13 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   """x @ w with each GEMM operand quantized per `route`; output in x's dtype (or `out_dtype`).
 
   Args:
-    x: [..., K] activations (leading dims are flattened to M tokens).
+    x: [..., K] activations (leading dims are flattened to M tokens), or a `numerics.produced.Produced`: the
+      elementwise op that produces them with its inputs, e.g. `Produced("swiglu", (y,))` for SwiGLU of a gate|up
+      product's output y [..., 2K]. The quantizers then compute x in their own pass where a kernel covers the op
+      (the MXFP4 dual-view kernel: x is never written out), else quantize its value; the numbers are those of
+      `fp4_dot(x.value(), ...)` and the gradient reaches the op's inputs. It is x's value that is used where
+      `impl.fuse_producers` is off, the route is high precision, x needs zero padding along M or K, or a mesh of
+      Explicit axes splits it.
     w: [K, N] weights.
     route: a `fp4jax.route.Route` or a preset name (`fp4jax.route.names()`).
     key: one JAX PRNG key (typed, or raw uint32[2]); required if `route.needs_key` (SR, MS-EDEN, random Hadamard).
@@ -96,13 +105,15 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     [..., N] in out_dtype.
   """
   route = route_lib.get(route)
-  for name, a in (("x", x), ("w", w)):
+  if isinstance(x, Produced):
+    x = _produced_or_value(x, w, route, impl)
+  for name, a in (("w", w),) if isinstance(x, Produced) else (("x", x), ("w", w)):
     if not isinstance(a, (jax.Array, np.ndarray)):
       raise TypeError(f"fp4_dot takes arrays: {name} is a {type(a).__name__} (wrap it in jnp.asarray)")
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise ValueError(f"fp4_dot takes floating-point arrays: {name} has dtype {a.dtype}")
-  if isinstance(x, np.ndarray) or isinstance(w, np.ndarray):  # NumPy float64 as JAX holds it (float32 unless x64)
-    x, w = jnp.asarray(x), jnp.asarray(w)
+  # NumPy float64 as JAX holds it (float32 unless x64)
+  x, w = (jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in (x, w))
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"fp4_dot needs x [..., K] and w [K, N]: {x.shape=}, {w.shape=}")
   if impl is None:
@@ -129,12 +140,29 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return _on_auto_axes(x, w, key, route, impl, out_dtype)
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
                np.dtype(x.dtype) if out_dtype is None else out_dtype)
-  x, w = _vary_alike(x, w, key)
   mp, kp, np_ = (-(-d // mult) * mult for d, mult in zip((m, k, n), padding_multiples(route)))
-  y = _dot2d(plan, _pad2d(x.reshape(m, k), mp, kp), _pad2d(w, kp, np_), key)  # [Mp, Np]
+  if isinstance(x, Produced):  # no padding along M or K (`_produced_or_value`)
+    *inputs, w = platform.vary_alike(*x.inputs, w, also=(key,))
+    x2d = Produced(x.kind, tuple(a.reshape(m, a.shape[-1]) for a in inputs))
+  else:
+    x, w = _vary_alike(x, w, key)
+    x2d = _pad2d(x.reshape(m, k), mp, kp)
+  y = _dot2d(plan, x2d, _pad2d(w, kp, np_), key)  # [Mp, Np]
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
+
+
+def _produced_or_value(x: Produced, w, route: Route, impl: Impl | None) -> Produced | jax.Array:
+  """x itself where fp4_dot hands it to the quantizers (its docstring), else its value."""
+  impl = Impl() if impl is None else impl
+  keep = (isinstance(impl, Impl) and impl.fuse_producers and not route.high_precision
+          and not platform.splits_explicit_axes() and x.ndim >= 1 and 0 not in x.shape
+          and getattr(w, "ndim", 0) == 2 and w.shape[0] == x.shape[-1] and jnp.dtype(x.dtype).itemsize >= 2)
+  if keep:
+    pm, pk, _ = padding_multiples(route)
+    keep = math.prod(x.shape[:-1]) % pm == 0 and x.shape[-1] % pk == 0
+  return x if keep else x.value()
 
 
 def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:
@@ -271,7 +299,7 @@ def _prepare(v: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, impl
   with its role's `keys` (`route.role_keys`) in `form` (`_form`), or `v` itself for a high-precision spec.
   tokens: v's rows are tokens (X, dY), split over `impl.token_axes`."""
   if not spec.quantized:
-    return jnp.moveaxis(v, axis, -1)
+    return jnp.moveaxis(produced.value(v), axis, -1)
   return quantize_api.quantize_operand(v, spec, axis, keys, implementation=impl.quantizer, form=form,
                                        rows_over=impl.token_axes if tokens else ())
 
@@ -371,7 +399,7 @@ def _forward(plan: _Plan, x, w, key):
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_saving(plan: _Plan, x, w, key):
   r = plan.route
-  x, w = (_first_order_only(r.name, a) for a in (x, w))
+  x, w = (jax.tree.map(functools.partial(_first_order_only, r.name), a) for a in (x, w))
   keys = route_lib.role_keys(r, key, ("fprop_x", "fprop_w", "wgrad_x", "dgrad_w"))
   form = _form(r.fprop_x, r.fprop_w, plan.impl)  # the fprop views are read at once; the backward's are kept
   if r.requantize_saved:  # Quartet II: the backward's X and W come from the fprop FP4 values
@@ -388,13 +416,14 @@ def _forward_saving(plan: _Plan, x, w, key):
     else:
       w_dgrad, wb = _prepare_views(w, r.dgrad_w, r.fprop_w, (keys["dgrad_w"], keys["fprop_w"]), plan.impl,
                                    ("codes", form))
-  saved = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS), (x_wgrad, w_dgrad))
+  producer = x if isinstance(x, Produced) else None  # its inputs, for the backward's vjp
+  saved = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS), (x_wgrad, w_dgrad, producer))
   return _gemm(xa, wb, plan.out_dtype, plan.impl), (*saved, key)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _backward(plan: _Plan, res, g):
-  x_wgrad, w_dgrad, key = res
+  x_wgrad, w_dgrad, producer, key = res
   r = plan.route
   g = _first_order_only(r.name, g)
   keys = route_lib.role_keys(r, key, ("dgrad_dy", "wgrad_dy"))
@@ -403,6 +432,9 @@ def _backward(plan: _Plan, res, g):
                               forms, tokens=True)  # [M, N], [N, M]: both read at once
   dx = _gemm(dy_d, w_dgrad, plan.x_dtype, plan.impl)  # [M, K]
   dw = _gemm(x_wgrad, dy_w, plan.w_dtype, plan.impl)  # [K, N]
+  if producer is not None:  # x was the op's value: dX is carried back to the op's inputs
+    _, vjp = jax.vjp(lambda *inputs: Produced(producer.kind, inputs).value(), *producer.inputs)
+    dx = Produced(producer.kind, vjp(dx))
   return dx, dw, None
 
 

@@ -37,11 +37,16 @@ class Impl:
       (`ops.quantize.pallas.rows`: MXFP4, NVFP4 and MS-EDEN recipes; tile-local NVFP4 is gathered whole, as
       XLA partitions a kernel it cannot see into); "auto": every axis of that mesh, as a data-parallel or
       FSDP batch is split (the training loop's ("data", "fsdp")); () splits none.
+    fuse_producers: the quantizers compute an operand that an elementwise op produces from that op's inputs,
+      in their own pass, where a kernel covers the op: `fp4jax.mlp.swiglu_mlp`'s SwiGLU (the down projection's
+      X) and SwiGLU's backward (the gate|up product's dY), so neither is written out and read back
+      (`numerics.produced`). False writes them out first, as separate ops would.
   """
 
   quantizer: str = "auto"
   gemm: str = "auto"
   token_axes: str | tuple[str, ...] = "auto"
+  fuse_producers: bool = True
 
   def __post_init__(self):
     check_choice("quantizer implementation", self.quantizer, quantize_api.CHOICES)
@@ -51,6 +56,8 @@ class Impl:
       raise ValueError(f"Impl's token_axes takes 'auto' or a tuple of mesh-axis names, got {axes!r}")
     if axes != "auto" and len(set(axes)) != len(axes):
       raise ValueError(f"Impl's token_axes names an axis twice: {axes!r}")
+    if not isinstance(self.fuse_producers, bool):
+      raise ValueError(f"Impl's fuse_producers takes True or False, got {self.fuse_producers!r}")
 
   def resolved(self) -> Impl:
     """This choice with "auto" quantizing resolved for the current default backend and "auto" token axes for

@@ -23,6 +23,7 @@ from fp4jax import route as route_lib
 from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
+from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.spec import float_dtype
 from fp4jax.route import Route
 
@@ -100,8 +101,9 @@ class FP4Linear(nnx.Module):
     else:
       self.bias = nnx.data(None)
 
-  def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-    """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only)."""
+  def __call__(self, x: jax.Array | Produced, *, key: jax.Array | None = None) -> jax.Array:
+    """x [..., in] -> [..., out] in `out_dtype`. `key`: the random key of this call (keyed routes only). x may be
+    a `numerics.produced.Produced` (the op that produces it, which fp4_dot's quantizers may compute)."""
     _check_input(x, self.in_features, "FP4Linear")
     y = _product([self], x, key)
     if self.bias is not None:
@@ -149,13 +151,18 @@ def fused_call(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | N
   each kernel column as separate calls do. The parameters stay one kernel per layer. Tags as `__call__`:
   INPUT on x, KERNEL on the concatenated kernel, OUTPUT on the product before the split.
   """
+  bounds = list(itertools.accumulate(m.out_features for m in linears))[:-1]
+  return jnp.split(fused_product(linears, x, key=key), bounds, axis=-1)
+
+
+def fused_product(linears: Sequence[FP4Linear], x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+  """`fused_call`'s product before its split: the layers' outputs side by side [..., sum(out)], tagged OUTPUT
+  (e.g. gate | up, which `numerics.produced.swiglu` reads)."""
   if not fusable(linears):
     raise ValueError(f"fused_call needs linears with one input size, route, impl and dtypes, no bias and output "
                      f"sizes in whole blocks of the route; here {'; '.join(_unfusable(linears))}")
   _check_input(x, linears[0].in_features, "fused_call")
-  y = checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]
-  bounds = list(itertools.accumulate(m.out_features for m in linears))[:-1]
-  return jnp.split(y, bounds, axis=-1)
+  return checkpoint_name(_product(linears, x, key), OUTPUT)  # [..., sum(out)]
 
 
 def _check_input(x, in_features: int, what: str) -> None:
@@ -172,7 +179,10 @@ def _product(linears: Sequence[FP4Linear], x: jax.Array, key: jax.Array | None) 
   `fp4_dot` under the first one's route, with the INPUT and KERNEL tags; no bias, x's size already checked.
   One kernel is used as it is (a concatenation of one array is that array)."""
   first = linears[0]
-  x = checkpoint_name(x.astype(first.dtype), INPUT)
+  if isinstance(x, Produced) and (x.dtype != first.dtype or first.route.high_precision
+                                  or not first.impl.fuse_producers):
+    x = x.value()  # written out, and tagged INPUT: what a high-precision backward reads
+  x = jax.tree.map(lambda a: checkpoint_name(a.astype(first.dtype), INPUT), x)  # a Produced: its inputs
   kernel = jnp.concatenate([m.kernel[...].astype(first.dtype) for m in linears], axis=1)  # [in, sum(out)]
   kernel = checkpoint_name(kernel, KERNEL)
   return fp4_dot(x, kernel, route=first.route, key=key, impl=first.impl, out_dtype=first.out_dtype)

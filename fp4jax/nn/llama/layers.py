@@ -28,7 +28,7 @@ from fp4jax.nn import linear
 from fp4jax.nn.linear import FP4Linear
 from fp4jax.nn.llama.config import Llama3RopeScaling, LlamaConfig
 from fp4jax.nn.rules import RouteRules
-from fp4jax.numerics import prng
+from fp4jax.numerics import prng, produced
 
 ATTN_LINEARS = ("q", "k", "v", "o")
 MLP_LINEARS = ("gate", "up", "down")
@@ -225,7 +225,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)); the elementwise part in float32."""
+  """SwiGLU: down(silu(gate(x)) * up(x)); the elementwise part in float32 (`numerics.produced.swiglu_pair`)."""
 
   def __init__(self, config: LlamaConfig, *, layer: int, rules: RouteRules, rngs: nnx.Rngs, impl: Impl = Impl(),
                dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
@@ -241,11 +241,12 @@ class MLP(nnx.Module):
     """`layer` overrides `self.layer` in the key indices, as in `Attention`."""
     layer = self.layer if layer is None else layer
     keys = _fold(key, layer, "mlp")
-    if self.fused:  # the product draws gate's key
-      gate, up = linear.fused_call([self.gate, self.up], x, key=keys["gate"])
+    if self.fused:  # the product draws gate's key; down's quantizers may compute SwiGLU themselves (`Produced`)
+      h = produced.Produced("swiglu", (linear.fused_product([self.gate, self.up], x, key=keys["gate"]),))
     else:
-      gate, up = self.gate(x, key=keys["gate"]), self.up(x, key=keys["up"])
-    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)  # [B, T, F]
+      h = produced.swiglu_pair(self.gate(x, key=keys["gate"]), self.up(x, key=keys["up"]))
+    if h.dtype != x.dtype:
+      h = produced.value(h).astype(x.dtype)
     return self.down(h, key=keys["down"])  # [B, T, D]
 
 

@@ -24,6 +24,12 @@ on bf16 tensor cores reads, what `ops.gemm.operand_form` asks for on Hopper's NV
 dual-view kernel writes values itself (`pallas.nvfp4`); wherever an implementation returns codes for a view
 asked as values, they are decoded here (`numerics.values.scaled_values`), so every form request is met with
 the same numbers.
+
+Produced operands: x may be a `numerics.produced.Produced`, the elementwise op that produces it with that op's
+inputs (the Llama MLP's SwiGLU and its backward). An implementation that `computes_produced` is handed it and
+computes x in its own pass where a kernel covers the op (the MXFP4 dual-view kernel, `pallas.sources`); where
+it does not, that implementation and the next are handed x's value, computed once by XLA. The numbers are the
+same either way.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Callable
 
 import jax
 
+from fp4jax.numerics import produced
+from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.qtensor import QTensor, Quantized
 from fp4jax.numerics.spec import OperandKeys, OperandSpec, check_choice
 from fp4jax.numerics.values import scaled_values
@@ -46,18 +54,22 @@ class Implementation:
   """views(x, row, col, row_keys, col_keys, forms) -> (row view, column view), or None where it has no
   two-view pass; operand(x, spec, axis, keys) -> QTensor. Either raises NotImplementedError for an uncovered
   case. `forms` is a request a kernel may meet (module docstring); `rows_over` is passed to both where
-  `splits_rows` (module docstring)."""
+  `splits_rows` (module docstring); an x given as a `Produced` is passed where `computes_produced`, else its
+  value (module docstring)."""
 
   views: Callable[..., tuple[QTensor, QTensor]] | None
   operand: Callable[..., QTensor]
   splits_rows: bool = False
+  computes_produced: bool = False
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "pallas": Implementation(functools.partial(pallas.views, interpret=False),
-                             functools.partial(pallas.operand, interpret=False), splits_rows=True),
+                             functools.partial(pallas.operand, interpret=False), splits_rows=True,
+                             computes_produced=True),
     "interpret": Implementation(functools.partial(pallas.views, interpret=True),
-                                functools.partial(pallas.operand, interpret=True), splits_rows=True),
+                                functools.partial(pallas.operand, interpret=True), splits_rows=True,
+                                computes_produced=True),
     "xla": Implementation(xla.views, xla.operand),
 }
 CHOICES = ("auto", *IMPLEMENTATIONS)
@@ -91,7 +103,19 @@ def _rows(impl: Implementation, rows_over: tuple[str, ...]) -> dict:
   return {"rows_over": tuple(rows_over)} if impl.splits_rows and rows_over else {}
 
 
-def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys = OperandKeys(), *,
+def _sources(impl: Implementation, x, value: Callable[[], jax.Array]) -> tuple:
+  """What `impl` is handed for x, in order: a `Produced` x itself where the implementation can compute it, then
+  its value (computed by XLA, once: `value` caches it); an array x alone."""
+  if not isinstance(x, Produced):
+    return (x,)
+  return (x, value()) if impl.computes_produced else (value(),)
+
+
+def _value_once(x) -> Callable[[], jax.Array]:
+  return functools.cache(lambda: produced.value(x))
+
+
+def quantize_operand(x: jax.Array | Produced, spec: OperandSpec, axis: int, keys: OperandKeys = OperandKeys(), *,
                      implementation: str = "auto", form: str = "codes",
                      rows_over: tuple[str, ...] = ()) -> Quantized:
   """`x` quantized along `axis` per `spec` (after its transform), K-major (`axis` moved last).
@@ -99,37 +123,43 @@ def quantize_operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKe
   keys: the rounding key (SR, MS-EDEN) and the random-Hadamard key, where the spec draws random bits.
   form: "codes" (a QTensor) or "values" (`ScaledValues` of a 2-D x; module docstring).
   rows_over: mesh axes over which x's rows are split (module docstring); the numbers do not depend on it.
-  The kernels cover 2-D inputs; other ranks go to "xla".
+  The kernels cover 2-D inputs; other ranks go to "xla". x may be a `Produced` (module docstring).
   """
   _check(spec)
   check_choice("operand form", form, FORMS)
+  value = _value_once(x)
   for impl in _chain(implementation):
-    try:
-      return _as_form(impl.operand(x, spec, axis, keys, **_rows(impl, rows_over)), form)
-    except NotImplementedError:
-      continue
+    for source in _sources(impl, x, value):
+      try:
+        return _as_form(impl.operand(source, spec, axis, keys, **_rows(impl, rows_over)), form)
+      except NotImplementedError:
+        continue
   raise AssertionError("the chain ends in 'xla', which covers every spec")
 
 
-def quantize_views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
-                   col_keys: OperandKeys = OperandKeys(), *,
+def quantize_views(x: jax.Array | Produced, row: OperandSpec, col: OperandSpec,
+                   row_keys: OperandKeys = OperandKeys(), col_keys: OperandKeys = OperandKeys(), *,
                    implementation: str = "auto", forms: tuple[str, str] = ("codes", "codes"),
                    rows_over: tuple[str, ...] = ()) -> tuple[Quantized, Quantized]:
   """(x [R, C] along axis 1 per `row`: K-major [R, C]; along axis 0 per `col`: K-major [C, R]), from one pass
   over x where a kernel covers both recipes, else one `quantize_operand` each. Passing one key object as both
   views' rounding key draws each element's random bits once (same recipe, same numbers). forms: each view's
-  form, "codes" or "values"; rows_over: as for `quantize_operand` (module docstring)."""
+  form, "codes" or "values"; rows_over: as for `quantize_operand` (module docstring). x may be a `Produced`
+  (module docstring)."""
   _check(row)
   _check(col)
   for form in forms:
     check_choice("operand form", form, FORMS)
+  value = _value_once(x)
   for impl in _chain(implementation):
     if impl.views is None:
       continue
-    try:
-      views = impl.views(x, row, col, row_keys, col_keys, forms=tuple(forms), **_rows(impl, rows_over))
-    except NotImplementedError:
-      continue
-    return tuple(_as_form(v, form) for v, form in zip(views, forms))
+    for source in _sources(impl, x, value):
+      try:
+        views = impl.views(source, row, col, row_keys, col_keys, forms=tuple(forms), **_rows(impl, rows_over))
+      except NotImplementedError:
+        continue
+      return tuple(_as_form(v, form) for v, form in zip(views, forms))
+  x = value() if isinstance(x, Produced) else x
   return tuple(quantize_operand(x, spec, axis, keys, implementation=implementation, form=form, rows_over=rows_over)
                for spec, axis, keys, form in ((row, 1, row_keys, forms[0]), (col, 0, col_keys, forms[1])))

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import platform
+from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.qtensor import QTensor, Quantized
 from fp4jax.numerics.spec import ROUNDINGS, OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import common, eden, mxfp4, nvfp4, rows
@@ -68,12 +69,15 @@ def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
           rows_over: tuple[str, ...] = ()) -> tuple[Quantized, Quantized]:
   """(row view along axis 1, column view along axis 0) of a 2-D x from one dual-view kernel; `forms` is
   handed to a kernel of `WRITES_VALUES`. rows_over: mesh axes whose devices each quantize their own block of
-  x's rows, with the whole array's bits (`rows`; where the recipe allows)."""
+  x's rows, with the whole array's bits (`rows`; where the recipe allows). x may be a `Produced` (the MXFP4
+  kernel computes it, `sources`), except where its rows are split."""
   kernel = VIEW_KERNELS.get(row.fmt)
   if kernel is None:
     raise NotImplementedError(f"no dual-view kernel for fmt={row.fmt!r}")
   extra = {"forms": forms} if kernel in WRITES_VALUES else {}
   if x.ndim == 2 and (axes := rows.split(x.shape[0], (row, col), rows_over)):
+    if isinstance(x, Produced):
+      raise NotImplementedError(f"{x.kind!r} of inputs whose rows are split over {axes}")
     return rows.on_row_shards(lambda v, where: kernel(v, row, col, row_keys, col_keys, interpret=interpret,
                                                       **extra, **_on_rows(kernel, v, where)), x, axes)
   return kernel(x, row, col, row_keys, col_keys, interpret=interpret, **extra)
@@ -90,7 +94,10 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *, in
             rows_over: tuple[str, ...] = ()) -> QTensor:
   """One view of a 2-D x along `axis` (0 or 1): a dual-view kernel launched for that view alone (it neither
   computes nor stores the other; along K on the canonical layout, along M as x^T along K where the bits allow:
-  module docstring), else a single-view kernel's. rows_over: as for `views`."""
+  module docstring), else a single-view kernel's. rows_over: as for `views`. An x given as a `Produced` is
+  refused (NotImplementedError): the API quantizes its value."""
+  if isinstance(x, Produced):
+    raise NotImplementedError(f"one view of {x.kind!r} of its inputs")
   kernel = VIEW_KERNELS.get(spec.fmt)
   if kernel is not None and x.ndim == 2:
     try:

@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from fp4jax import platform
 from fp4jax.numerics import hadamard, prng
+from fp4jax.ops.quantize.pallas import sources
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 
 F32_ABS = 0x7FFFFFFF
@@ -139,12 +140,11 @@ def e2m1_magnitude(code: jax.Array) -> jax.Array:
   return jnp.where(code >= 2, normal, code.astype(jnp.float32) * 0.5)
 
 
-def tile_elements(x_ref) -> tuple[dict, dict, dict]:
-  """(float32 bits, |bits|, sign) of a tile of bf16 pairs [h, 2, w] (uint32 words, the even column in the low
-  half), each a dict of [h, w] arrays keyed (p, q): x[2i + p, 2j + q], p = row parity (which load), q = column
-  parity (which half)."""
-  words = [jax.lax.bitcast_convert_type(x_ref[:, p, :], jnp.int32) for p in range(2)]  # [h, w] each
-  bits = {(p, 0): words[p] << 16 for p in range(2)} | {(p, 1): words[p] & -65536 for p in range(2)}
+def tile_elements(tile) -> tuple[dict, dict, dict]:
+  """(float32 bits, |bits|, sign) of a tile of x in bf16 pairs [h, 2, w] (`sources`: read from x, or computed
+  from the inputs of the op that produces x), each a dict of [h, w] arrays keyed (p, q): x[2i + p, 2j + q],
+  p = row parity (which load), q = column parity (which half of a uint32 word)."""
+  bits = tile.bits()
   split = {pq: magnitude_and_sign(b) for pq, b in bits.items()}
   return bits, {pq: ms[0] for pq, ms in split.items()}, {pq: ms[1] for pq, ms in split.items()}
 
@@ -353,38 +353,40 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
                    name: str, write: tuple[bool, bool] = BOTH, values: tuple[bool, bool] = (False, False)):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
 
-  The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x as uint32 words of two bf16
-  neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, then four output refs (row
-  codes, row scales, column codes, column scales), None for a view that `write` (row, column) leaves out: the
-  kernel skips that view's work, so a launch for one operand (fp4_dot's `quantize_operand`: quartet2's
-  forward X and W, an evaluation's operands) neither computes nor stores the other. A view in `values` gets
+  The kernel gets `params`' arrays first ((array, BlockSpec) pairs), then x's tile (`sources`: x as uint32
+  words of two bf16 neighbours along K split by row parity [M/2, 2, K/2] in (bm/2, 2, bk/2) tiles, or for a
+  `numerics.produced.Produced` x the tiles of its op's inputs, from which `tile_elements` computes x's), then
+  four output refs (row codes, row scales, column codes, column scales), None for a view that `write` (row,
+  column) leaves out: the kernel skips that view's work, so a launch for one operand (fp4_dot's
+  `quantize_operand`: quartet2's forward X and W, an evaluation's operands) neither computes nor stores the
+  other. A view in `values` gets
   its values ref (`view_outputs`) in the codes slot and None for the scales. Returns the row codes, row scales,
   column codes and column scales in the QTensor layouts (None where not written; `view_arrays` for values).
   """
   if not any(write):
     raise ValueError("dual_view_call: write names no view")
   m, k = x.shape
-  xw = jax.lax.bitcast_convert_type(x.reshape(m // 2, 2, k // 2, 2), jnp.uint32)  # [M/2, 2, K/2], free
+  grid = (m // t.block_m, k // t.block_k)
+  source, tile_of = sources.launch_inputs(x, t, interpret=interpret)
   out_shape, out_specs = view_outputs(m, k, t, block, write, values)
-  n_in = len(params) + 1
+  n_par, n_in = len(params), len(params) + len(source)
   slots = [write[i // 2] and not (values[i // 2] and i % 2) for i in range(4)]  # which of the four refs exist
 
   def body(*refs):
     outs = iter(refs[n_in:])
-    kernel(*refs[:n_in], *[next(outs) if slots[i] else None for i in range(4)])
+    kernel(*refs[:n_par], tile_of(refs[n_par:n_in]), *[next(outs) if slots[i] else None for i in range(4)])
 
   outs = iter(pallas_call(
       body,
       out_shape=out_shape,
-      grid=(m // t.block_m, k // t.block_k),
-      in_specs=[spec for _, spec in params] + [pl.BlockSpec((t.block_m // 2, 2, t.block_k // 2),
-                                                            lambda i, j: (i, 0, j))],
+      grid=grid,
+      in_specs=[spec for _, spec in params + source],
       out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=interpret,
       name=launch_name(name, kernel, x.shape, t, block, [(a.shape, a.dtype, spec.block_shape) for a, spec in params],
-                       write, values),
-  )(*[a for a, _ in params], xw))
+                       write, values, *([x.kind] if isinstance(x, sources.Produced) else [])),
+  )(*[a for a, _ in params + source]))
   return view_arrays(*[next(outs) if slots[i] else None for i in range(4)], m, k, block, values)
 
 

@@ -179,14 +179,15 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: OperandSpec):
 def _dual_kernel(*refs, cfg: DualConfig, m: int, k: int):
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
-  x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along
-  K (the even one in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
+  x_tile: x's tile (`sources`: read, or computed from the inputs of the op that produces x) of bf16 pairs
+  (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along K (the even one
+  in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
   reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
   column scales [bk/2, 2, bm/32].
   """
-  seed_ref, (x_ref, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)
-  h, _, w = x_ref.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
-  bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
+  seed_ref, (x_tile, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)
+  h, _, w = x_tile.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
+  bits, mag, sign = common.tile_elements(x_tile)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k, m)
   write_row, write_col = cfg.write
   shared = cfg.shared_bits

@@ -81,6 +81,7 @@ from jax.experimental import pallas as pl
 from fp4jax.numerics import hadamard, prng, quantize_args
 from fp4jax.numerics.codecs import e4m3_rn_bytes
 from fp4jax.numerics.formats import E2M1_MAX, E4M3_MAX
+from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.qtensor import QTensor, Quantized, ScaledValues
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize.pallas import amax as amax_lib
@@ -247,18 +248,19 @@ def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> No
       cs_ref[:, p, :] = cscale  # [w, h/8]
 
 
-def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_ref, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
+def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_tile, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
                m: int, k: int):
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
   sign word (`common.sign_words`), and with `cfg.offset` the SR counters' offset. prow_ref / pcol_ref: float32
-  [1, 16] parameter rows (`params.view_params`). x_ref: uint32 (row pair, row parity, column pair) [bm/2, 2, bk/2],
-  the even column in the low half. Outputs, parity split out as in `mxfp4`: row codes [bm/2, 2, bk/2],
-  row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales [bk/2, 2, bm/16].
+  [1, 16] parameter rows (`params.view_params`). x_tile: x's tile (`sources`) of bf16 pairs [bm/2, 2, bk/2]
+  (row pair, row parity, column pair), the even column in the low half. Outputs, parity split out as in
+  `mxfp4`: row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/16], column codes [bk/2, 2, bm/2], column scales
+  [bk/2, 2, bm/16].
   """
-  h, _, w = x_ref.shape
-  bits, mag, sign = common.tile_elements(x_ref)  # x[2i + p, 2j + q] keyed (p, q)
+  h, _, w = x_tile.shape
+  bits, mag, sign = common.tile_elements(x_tile)  # x[2i + p, 2j + q] keyed (p, q)
   index = common.PairIndex(tuple(bits), h, w, k, m)
 
   offset = seed_ref[5] if cfg.offset else None
@@ -355,6 +357,8 @@ def check(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     why = "4/6 with SR or 2-D tiles"
   elif fmt == "nvfp4_tile" and (tile_rows < 32 or tile_rows % 32):
     why = f"{tile_rows=} (a multiple of 32)"
+  elif isinstance(x, Produced):  # its tensor amax would need x first: quantized from its value (`sources`)
+    why = f"x given as {x.kind!r} of its inputs"
   elif x.dtype != jnp.bfloat16 or x.ndim != 2:
     why = f"x {x.dtype} {x.shape}: a 2-D bf16 array"
   else:
