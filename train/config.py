@@ -369,17 +369,20 @@ def _declared_type(parts: list[str], sections: dict[str, Any]) -> Any:
 
 def _set_dotted(raw: dict[str, Any], assignment: str, sections: dict[str, Any]) -> None:
   """Sets the dotted `key.sub=value`. The value of a key declared `str` is its text as typed (less surrounding
-  spaces, and the quotes around a quoted one), so `run.out_dir=1.10` names the folder 1.10, not 1.1; any other
-  value is read as YAML, as in a config file (`[a, b]`, `null`, `1e-3`)."""
+  spaces, and the quotes around a quoted one), so `run.out_dir=1.10` names the folder 1.10, not 1.1; a key declared
+  a list of strings is read as a YAML list whose items keep their text (`data.sources=[a, 1.10]` is a and 1.10);
+  any other value is read as YAML, as in a config file (`[a, b]`, `null`, `1e-3`)."""
   if "=" not in assignment:
     raise ConfigError(f"override {assignment!r} must look like key.sub=value")
   key, text = assignment.split("=", 1)
   parts = key.strip().split(".")
-  if _declared_type(parts, sections) is str and text.strip()[:1] not in ("'", '"'):
+  tp = _declared_type(parts, sections)
+  if tp is str and text.strip()[:1] not in ("'", '"'):
     value: Any = text.strip()
   else:
-    try:
-      value = yaml.safe_load(text) if text.strip() else ""
+    try:  # YAML's base loader reads every scalar as its text (its quotes removed)
+      loader = yaml.BaseLoader if tp == tuple[str, ...] else yaml.SafeLoader
+      value = yaml.load(text, Loader=loader) if text.strip() else ""
     except yaml.YAMLError as e:
       raise ConfigError(f"override {assignment!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); "
                         f"quote lists as --set 'key=[a,b]'") from e

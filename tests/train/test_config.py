@@ -41,8 +41,6 @@ def test_yaml_and_overrides(tmp_path):
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
     ("run.compile_cache=on", r"run.compile_cache='on' must be 'auto', 'none', 'off' or a directory path"),
-    ("data.sources=[runs, 2026-12-06]", r"data.sources\[1\]: expected a string, got datetime.date\(2026, 12, 6\) "
-                                        r"\(YAML reads a date"),
     ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
     ("run.steps=.inf", r"run.steps: expected an int, got inf"),
     ("run.routes=[bf16,mxfp4,bf16]", r"run.routes=\['bf16', 'mxfp4', 'bf16'\] names a route twice"),
@@ -68,6 +66,8 @@ def test_errors(override, match):
     ("run: {out_dir: 2026-12-06}", r"run.out_dir: expected a string, got datetime.date\(2026, 12, 6\) \(YAML reads a "
                                    r"date such as 2026-12-06 unquoted as a date: quote the value\)"),
     ("run: {out_dir: ~}", r"run.out_dir: expected a string, got None \(YAML reads ~ and null unquoted as no value"),
+    ("data: {sources: [runs, 2026-12-06]}", r"data.sources\[1\]: expected a string, got datetime.date\(2026, 12, 6\) "
+                                            r"\(YAML reads a date"),
 ])
 def test_file_values_yaml_misreads_are_named(tmp_path, text, match):
   """In a config file a string key's value is YAML's: a word YAML reads as something else is refused by name."""
@@ -88,6 +88,22 @@ def test_set_keeps_the_text_of_string_keys():
   assert cfg.optim.lr == 1e-3 and cfg.run.mesh == (1, -1) and cfg.run.resume is False and cfg.data.seq_len == 16
   assert cfg.data.sources == ("a.txt", "b.txt") and cfg.model.overrides["attention_impl"] is None
   assert config.load_config(None, ["run.out_dir=~"]).run.out_dir == os.path.expanduser("~")
+
+
+def test_set_keeps_the_text_of_string_list_items():
+  """`--set` gives each item of a key declared a list of strings its text as typed (YAML made
+  data.sources=[1.10] the file 1.1 and run.routes=[1.10] a number); quotes still group, a malformed list is still
+  named, and a list of ints is still read as numbers."""
+  cfg = config.load_config(None, ["data.sources=[a, 1.10, 0x10, 'b c']", "data.eval_sources=2026-12-06",
+                                  "rules.extra=[blocks.0.*=bf16]", "run.mesh=[1, -1]"])
+  assert cfg.data.sources == ("a", "1.10", "0x10", "b c") and cfg.data.eval_sources == ("2026-12-06",)
+  assert cfg.rules.extra == ("blocks.0.*=bf16",) and cfg.run.mesh == (1, -1)
+  with pytest.raises(config.ConfigError, match=r"run.routes\[0\]='1.10' is not a route"):
+    config.load_config(None, ["run.routes=[1.10]"])
+  with pytest.raises(config.ConfigError, match=r"data.sources\[0\]: expected a string, got \['a'\]"):
+    config.load_config(None, ["data.sources=[[a]]"])
+  with pytest.raises(config.ConfigError, match=r"the value is not valid YAML"):
+    config.load_config(None, ["data.sources=[a, b"])
 
 
 def test_shipped_configs_resolve():
