@@ -85,6 +85,31 @@ def test_cudnn_attention_in_float32_is_a_mistake_on_a_gpu(tmp_path, capsys, no_d
   build.check_attention(lcfg, "bfloat16")
 
 
+@pytest.mark.parametrize("dim, n_heads, hopper, refused", [
+    (48, 4, True, True), (272, 2, False, True), (272, 2, True, False), (528, 2, True, True), (512, 2, True, False),
+    (256, 2, False, False),
+])
+def test_cudnn_attention_with_a_head_dim_it_does_not_take_is_a_mistake(monkeypatch, dim, n_heads, hopper, refused):
+  """cuDNN's flash attention takes a head_dim that is a multiple of 8 up to 128 (256 from Hopper on): another one
+  failed when the first step traced, after tokenizing (here the backend only says it is a GPU, of the given kind)."""
+  from jax._src.cudnn import fused_attention_stablehlo
+  monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: hopper)
+  sets = ["model.overrides.attention_impl=cudnn", f"model.overrides.dim={dim}", f"model.overrides.n_heads={n_heads}",
+          "model.overrides.n_kv_heads=1"]
+  lcfg = build.llama_config(config.load_config(None, sets), 257)
+  if not refused:
+    build.check_attention(lcfg, "bfloat16")
+    return
+  with pytest.raises(errors.UserError) as e:
+    build.check_attention(lcfg, "bfloat16")
+  assert str(e.value) == (
+      f"model.overrides.attention_impl='cudnn' takes a head_dim that is a multiple of 8 up to "
+      f"{256 if hopper else 128} on this GPU (cuDNN's flash attention), not head_dim={dim // n_heads} "
+      f"(dim={dim} // n_heads={n_heads}); change model.overrides dim or n_heads, or set attention_impl 'auto' or "
+      f"'xla' (XLA's attention)")
+
+
 def test_a_tokenizer_path_the_byte_tokenizer_ignores_is_one_warning(tmp_path, capsys, monkeypatch):
   """data.tokenizer_path with data.tokenizer=byte (`--set data.tokenizer=byte` over a GPT-2 config) was ignored
   silently: one warning line at the checks before the data, only where both are set."""
