@@ -8,6 +8,10 @@ SIGTERM). Running the same command again resumes from that checkpoint. The handl
 default action back, so a second one ends the process at once, saving nothing: the way out of a compile or a
 checkpoint write that takes too long.
 
+Outside the steps, where Ctrl-C raises KeyboardInterrupt, `sigterm_raises` has SIGTERM raise `Terminated` (a
+KeyboardInterrupt) in its place, so that what a call undoes on Ctrl-C (`train.run_all`: the LOCK files and folders
+made before a first step) is undone on SIGTERM too, where its default action ended the process and left them.
+
 Only one process's main thread installs handlers. With several processes the checkpoint is written by all of them
 together (Orbax), so one process stopping on its own signal would leave the others waiting in that write; there the
 signals keep their default actions.
@@ -15,6 +19,7 @@ signals keep their default actions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -43,11 +48,41 @@ class Interrupted(Exception):
                      f"{directory}; run the same command again to resume")
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM inside `sigterm_raises`: handled as Ctrl-C's KeyboardInterrupt, with SIGTERM's exit status."""
+  signum = signal.SIGTERM
+  exit_status = 128 + signal.SIGTERM
+
+
+def _raise_terminated(signum: int, frame) -> None:
+  del signum, frame
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, as after a stop request
+  raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises(*, enabled: bool = True):
+  """Context manager: inside, the first SIGTERM raises `Terminated` on the main thread (module docstring), at its
+  next bytecode: a long call into C that holds the main thread (compiling a state's initialization, a native
+  tokenizer's file) ends first; a second SIGTERM ends the process at once. `StopRequest` takes SIGTERM over inside
+  the steps. `enabled=False` (several processes), or entering it outside the main thread, installs nothing; the
+  handler in place before is restored on exit."""
+  if not enabled or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, _raise_terminated)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 class StopRequest:
   """Context manager: inside, the first SIGINT or SIGTERM sets `signum` (module docstring).
 
   `enabled=False` (several processes), or entering it outside the main thread, installs nothing: `signum` then
-  stays None. The handlers that were in place before are restored on exit.
+  stays None. The handlers that were in place before are restored on exit, but for `sigterm_raises`'s once a signal
+  came: SIGTERM then keeps its default action while the stopped run winds down (its checkpoint's write).
   """
 
   def __init__(self, label: str, *, enabled: bool = True):
@@ -72,5 +107,5 @@ class StopRequest:
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
-      signal.signal(s, handler)
+      signal.signal(s, signal.SIG_DFL if self.signum is not None and handler is _raise_terminated else handler)
     self._previous = {}

@@ -3,8 +3,8 @@
 Exit status: 0 when every route trained (or was already finished), 1 when a route diverged or failed, 2 for a
 mistake in the config, the data or the run directory, or a disk too full for a checkpoint (printed as one line;
 `--debug` adds its traceback), 128 + the signal's number when SIGINT (130) or SIGTERM (143) stopped the run: after
-saving a checkpoint where a route was training (`train.interrupt`; the same command resumes it), at once before
-that.
+saving a checkpoint where a route was training (`train.interrupt`; the same command resumes it), without one
+outside the steps (before the first, the folders and LOCK files the run made are removed).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from train.errors import UserError, check_writable_dir
-from train.interrupt import Interrupted
+from train.interrupt import Interrupted, Terminated
 
 if TYPE_CHECKING:
   from train.config import Config
@@ -55,12 +55,13 @@ def guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
       traceback.print_exc()
     print(f"{prog}: {e}", file=sys.stderr)
     return e.exit_status
-  except KeyboardInterrupt:  # Ctrl-C outside the training steps (loading data, building a route's state)
+  except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM outside the training steps (loading data, building a state)
     if debug:
       traceback.print_exc()
-    print(f"{prog}: interrupted outside the training steps: no checkpoint was written (what earlier steps and "
+    how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+    print(f"{prog}: {how} outside the training steps: no checkpoint was written (what earlier steps and "
           f"routes saved is kept)", file=sys.stderr)
-    return 128 + signal.SIGINT
+    return e.exit_status if isinstance(e, Terminated) else 128 + signal.SIGINT
 
 
 def enable_compilation_cache(setting: str, what: str) -> None:

@@ -332,13 +332,14 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
   then out_dir, and in compare mode each route's out_dir/<route> (which a single-route run may name), is locked
   for the whole call (`train.lock.RunLock`). An out_dir that holds a run of the other layout (single-route or
   compare), whose plot and table this call would overwrite, is refused (`metrics.check_layout`). A call refused
-  (or stopped) before its first route runs, or stopped by Ctrl-C before a route has a checkpoint (its first
-  step), removes the folders and LOCK files it made, and only those.
+  (or stopped) before its first route runs, or stopped by Ctrl-C or SIGTERM (`interrupt.sigterm_raises`) before a
+  route has a checkpoint (its first step), removes the folders and LOCK files it made, and only those.
   """
   log = sys.stderr if log is None else log
   out_dirs = list(dict.fromkeys([cfg.run.out_dir] + [sub.run.out_dir for _, sub in build.route_configs(cfg)]))
   made = _missing_dirs(out_dirs)  # what this call makes (preflight, the locks), removed again if it is refused
   with contextlib.ExitStack() as held:
+    held.enter_context(interrupt.sigterm_raises(enabled=jax.process_count() == 1))  # SIGTERM undoes as Ctrl-C does
     locks: list[lock.RunLock] = []
     try:
       files, tok = build.preflight(cfg, log)
@@ -356,7 +357,7 @@ def run_all(cfg: config_lib.Config, *, log=None) -> list[dict[str, Any]]:
       raise
     try:
       return _run_routes(cfg, splits, log)
-    except KeyboardInterrupt:  # Ctrl-C outside the steps (inside them `train.interrupt` saves the step in flight)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM outside the steps (inside them `train.interrupt` saves the step)
       ckpts = [os.path.join(sub.run.out_dir, "ckpt") for _, sub in build.route_configs(cfg)]
       if not any(checkpoint.saved_steps(c) for c in ckpts):  # before the first step: as a refused call
         _remove_made(locks, made)

@@ -150,3 +150,28 @@ def test_a_run_stopped_before_its_first_step_leaves_the_out_dir_as_it_found_it(t
     assert main(common + ["--set", f"run.out_dir={out_dir}", "--set", f"run.routes={routes}"]) == 130
     assert "interrupted outside the training steps" in capsys.readouterr().err
     assert _tree(root) == found
+
+
+def test_sigterm_before_the_first_step_leaves_the_out_dir_as_it_found_it(tmp_path):
+  """SIGTERM (a scheduler's preemption, `timeout`) before the first step, here while the route builds its state:
+  as for Ctrl-C, the LOCK file and folders the call made are removed, one line says so and the exit status is 143
+  (SIGTERM's default action ended the process there and left its LOCK behind). A process of its own: the
+  signal's default action would end pytest."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def add(a, b):\n    return a + b\n\n" * 300)
+  root = tmp_path / "out"
+  (root / "old").mkdir(parents=True)
+  (root / "old" / "LOCK").write_text("")  # an earlier run's: kept
+  found = _tree(root)
+  code = ("import os, signal, sys; from train import train; from train.main import main; "
+          "train.init_train_state = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM); "
+          "sys.exit(main(sys.argv[1:]))")
+  sets = ["model.dtype=float32", "data.seq_len=32", "data.batch_size=8", f"data.sources=[{corpus}]",
+          f"data.cache_dir={tmp_path / 'cache'}", "data.workers=1", "data.eval_fraction=0.1", "run.eval_batches=1",
+          f"run.out_dir={root / 'new' / 'run'}"]
+  done = subprocess.run([sys.executable, "-c", code] + [a for s in sets for a in ("--set", s)], capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert done.returncode == 143, (done.returncode, done.stderr)
+  assert done.stderr.splitlines()[-1] == ("python -m train: stopped by SIGTERM outside the training steps: no "
+                                          "checkpoint was written (what earlier steps and routes saved is kept)")
+  assert _tree(root) == found

@@ -334,6 +334,30 @@ def test_stop_request_gives_the_second_signal_its_default_action():
     assert signal.getsignal(signal.SIGINT) == before
 
 
+def test_sigterm_raises_once_and_keeps_its_default_action_after_a_stop_request():
+  """Inside `sigterm_raises` the first SIGTERM raises Terminated (a KeyboardInterrupt, so that a call undoes what it
+  made as on Ctrl-C) and the second takes the default action; a StopRequest inside takes SIGTERM over and, once a
+  signal came, leaves it at the default action while the stopped run winds down, as outside `sigterm_raises`."""
+  before = signal.getsignal(signal.SIGTERM)
+  with interrupt.sigterm_raises():
+    with pytest.raises(KeyboardInterrupt) as stopped:
+      signal.raise_signal(signal.SIGTERM)
+    assert isinstance(stopped.value, interrupt.Terminated) and stopped.value.exit_status == 143
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second one ends the process at once
+  assert signal.getsignal(signal.SIGTERM) == before
+  with interrupt.sigterm_raises():
+    raising = signal.getsignal(signal.SIGTERM)
+    with interrupt.StopRequest("x"):
+      pass
+    assert signal.getsignal(signal.SIGTERM) == raising  # no signal came: SIGTERM raises again
+    with interrupt.StopRequest("x") as stop:
+      stop._handle(signal.SIGTERM, None)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+  assert signal.getsignal(signal.SIGTERM) == before
+  with interrupt.sigterm_raises(enabled=False):
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_signal_while_the_command_exits_ends_it_without_a_traceback():
   """`python -m train` and `train.study` leave through `interrupt.exit_process`: a Ctrl-C that arrives while the
   process runs its exit handlers (here one sends it) ends the process at once, where `sys.exit` would print a
