@@ -52,8 +52,11 @@ def gpu_sigmoid(g: jax.Array) -> jax.Array:
 
 
 def _bf16_bits(v: jax.Array) -> jax.Array:
-  """float32 bits of float32 v rounded to bf16 (round to nearest even), as XLA's convert gives them."""
-  return jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16).astype(jnp.float32), jnp.int32)
+  """float32 bits of float32 v rounded to bf16 (round to nearest even), as XLA's convert gives them: from the
+  bf16's bits, since XLA:GPU drops a convert pair float32 -> bf16 -> float32 (`ieee.bf16_to_f32`), which it
+  compiles in interpret mode on a GPU host."""
+  bits = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
+  return bits << 16
 
 
 def _f32(bits: jax.Array) -> jax.Array:
