@@ -89,8 +89,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--unfused-linears", action="store_true",
                       help="one product per linear (LlamaConfig.fuse_linears=False), not q|k|v and gate|up fused")
   parser.add_argument("--unfused-producers", action="store_true",
-                      help="SwiGLU and its backward written out before the quantizers read them "
-                           "(fp4jax.Impl(fuse_producers=False)), not computed in the quantizers' pass")
+                      help="the MLP's SwiGLU written out before the down projection's quantizer reads it "
+                           "(fp4jax.Impl(fuse_producers=False)), not computed in the quantizer's pass")
   parser.add_argument("--microbatches", type=args_lib.int_at_least(1), default=1, metavar="N",
                       help="split each step's batch into N sequential passes, gradients averaged (train's "
                            "data.microbatches; default: %(default)s)")

@@ -37,10 +37,10 @@ class Impl:
       (`ops.quantize.pallas.rows`: MXFP4, NVFP4 and MS-EDEN recipes; tile-local NVFP4 is gathered whole, as
       XLA partitions a kernel it cannot see into); "auto": every axis of that mesh, as a data-parallel or
       FSDP batch is split (the training loop's ("data", "fsdp")); () splits none.
-    fuse_producers: the quantizers compute an operand that an elementwise op produces from that op's inputs,
-      in their own pass, where a kernel covers the op: `fp4jax.mlp.swiglu_mlp`'s SwiGLU (the down projection's
-      X) and SwiGLU's backward (the gate|up product's dY), so neither is written out and read back
-      (`numerics.produced`). False writes them out first, as separate ops would.
+    fuse_producers: where fp4_dot's x is given as the elementwise op that produces it
+      (`numerics.produced.Produced`: the Llama MLP's SwiGLU before its down projection), the quantizers compute
+      x from that op's inputs in their own pass where a kernel covers the op, so x is not written out and read
+      back. False writes x out first, as separate ops would. The numbers are the same.
   """
 
   quantizer: str = "auto"

@@ -26,7 +26,7 @@ asked as values, they are decoded here (`numerics.values.scaled_values`), so eve
 the same numbers.
 
 Produced operands: x may be a `numerics.produced.Produced`, the elementwise op that produces it with that op's
-inputs (the Llama MLP's SwiGLU and its backward). An implementation that `computes_produced` is handed it and
+inputs (the Llama MLP's SwiGLU). An implementation that `computes_produced` is handed it and
 computes x in its own pass where a kernel covers the op (the MXFP4 dual-view kernel, `pallas.sources`); where
 it does not, that implementation and the next are handed x's value, computed once by XLA. The numbers are the
 same either way.

@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from fp4jax import platform
 from fp4jax.numerics import hadamard, prng
+from fp4jax.numerics.produced import Produced
 from fp4jax.ops.quantize.pallas import sources
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 
@@ -385,7 +386,7 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
       interpret=interpret,
       name=launch_name(name, kernel, x.shape, t, block, [(a.shape, a.dtype, spec.block_shape) for a, spec in params],
-                       write, values, *([x.kind] if isinstance(x, sources.Produced) else [])),
+                       write, values, *([x.kind] if isinstance(x, Produced) else [])),
   )(*[a for a, _ in params + source]))
   return view_arrays(*[next(outs) if slots[i] else None for i in range(4)], m, k, block, values)
 
