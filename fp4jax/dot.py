@@ -105,8 +105,6 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     [..., N] in out_dtype.
   """
   route = route_lib.get(route)
-  if isinstance(x, Produced):
-    x = _produced_or_value(x, w, route, impl)
   for name, a in (("w", w),) if isinstance(x, Produced) else (("x", x), ("w", w)):
     if not isinstance(a, (jax.Array, np.ndarray)):
       raise TypeError(f"fp4_dot takes arrays: {name} is a {type(a).__name__} (wrap it in jnp.asarray)")
@@ -132,6 +130,10 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   *lead, k = x.shape
   n = w.shape[1]
   m = math.prod(lead)
+  mp, kp, np_ = (-(-d // mult) * mult for d, mult in zip((m, k, n), padding_multiples(route)))
+  if isinstance(x, Produced) and not (impl.fuse_producers and not route.high_precision and 0 not in (m, k, n)
+                                      and (mp, kp) == (m, k) and not platform.splits_explicit_axes()):
+    x = x.value()  # where the quantizers are not handed x (the docstring)
   if route.high_precision or 0 in (m, k, n):  # Empty operands: the product is zeros (or empty) in any route.
     return _high_precision_dot(x, w, out_dtype)
   if key is None:
@@ -140,8 +142,7 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
     return _on_auto_axes(x, w, key, route, impl, out_dtype)
   plan = _Plan(route, impl.resolved(), np.dtype(x.dtype), np.dtype(w.dtype),
                np.dtype(x.dtype) if out_dtype is None else out_dtype)
-  mp, kp, np_ = (-(-d // mult) * mult for d, mult in zip((m, k, n), padding_multiples(route)))
-  if isinstance(x, Produced):  # no padding along M or K (`_produced_or_value`)
+  if isinstance(x, Produced):  # no padding along M or K (above)
     *inputs, w = platform.vary_alike(*x.inputs, w, also=(key,))
     x2d = Produced(x.kind, tuple(a.reshape(m, a.shape[-1]) for a in inputs))
   else:
@@ -151,18 +152,6 @@ def fp4_dot(x: jax.Array, w: jax.Array, *, route: str | Route, key: jax.Array | 
   if (mp, np_) != (m, n):
     y = y[:m, :n]
   return y.reshape(*lead, n)
-
-
-def _produced_or_value(x: Produced, w, route: Route, impl: Impl | None) -> Produced | jax.Array:
-  """x itself where fp4_dot hands it to the quantizers (its docstring), else its value."""
-  impl = Impl() if impl is None else impl
-  keep = (isinstance(impl, Impl) and impl.fuse_producers and not route.high_precision
-          and not platform.splits_explicit_axes() and x.ndim >= 1 and 0 not in x.shape
-          and getattr(w, "ndim", 0) == 2 and w.shape[0] == x.shape[-1] and jnp.dtype(x.dtype).itemsize >= 2)
-  if keep:
-    pm, pk, _ = padding_multiples(route)
-    keep = math.prod(x.shape[:-1]) % pm == 0 and x.shape[-1] % pk == 0
-  return x if keep else x.value()
 
 
 def _on_auto_axes(x, w, key, route: Route, impl: Impl, out_dtype) -> jax.Array:

@@ -50,7 +50,6 @@ class Interrupted(Exception):
 
 class Terminated(KeyboardInterrupt):
   """SIGTERM inside `sigterm_raises`: handled as Ctrl-C's KeyboardInterrupt, with SIGTERM's exit status."""
-  signum = signal.SIGTERM
   exit_status = 128 + signal.SIGTERM
 
 

@@ -360,14 +360,13 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
   four output refs (row codes, row scales, column codes, column scales), None for a view that `write` (row,
   column) leaves out: the kernel skips that view's work, so a launch for one operand (fp4_dot's
   `quantize_operand`: quartet2's forward X and W, an evaluation's operands) neither computes nor stores the
-  other. A view in `values` gets
-  its values ref (`view_outputs`) in the codes slot and None for the scales. Returns the row codes, row scales,
-  column codes and column scales in the QTensor layouts (None where not written; `view_arrays` for values).
+  other. A view in `values` gets its values ref (`view_outputs`) in the codes slot and None for the scales.
+  Returns the row codes, row scales, column codes and column scales in the QTensor layouts (None where not
+  written; `view_arrays` for values).
   """
   if not any(write):
     raise ValueError("dual_view_call: write names no view")
   m, k = x.shape
-  grid = (m // t.block_m, k // t.block_k)
   source, tile_of = sources.launch_inputs(x, t, interpret=interpret)
   out_shape, out_specs = view_outputs(m, k, t, block, write, values)
   n_par, n_in = len(params), len(params) + len(source)
@@ -380,7 +379,7 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
   outs = iter(pallas_call(
       body,
       out_shape=out_shape,
-      grid=grid,
+      grid=(m // t.block_m, k // t.block_k),
       in_specs=[spec for _, spec in params + source],
       out_specs=out_specs,
       compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),

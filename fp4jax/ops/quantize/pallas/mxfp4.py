@@ -181,8 +181,8 @@ def _dual_kernel(*refs, cfg: DualConfig, m: int, k: int):
 
   x_tile: x's tile (`sources`: read, or computed from the inputs of the op that produces x) of bf16 pairs
   (row pair, row parity, column pair) [bm/2, 2, bk/2]; a uint32 holds two bf16 neighbours along K (the even one
-  in the low half). Outputs, with the parity axis split out the same way (so the wrapper's
-  reshapes are free): row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
+  in the low half). Outputs, with the parity axis split out the same way (so the wrapper's reshapes are free):
+  row codes [bm/2, 2, bk/2], row scales [bm/2, 2, bk/32], column codes [bk/2, 2, bm/2],
   column scales [bk/2, 2, bm/32].
   """
   seed_ref, (x_tile, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)

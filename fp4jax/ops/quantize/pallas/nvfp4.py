@@ -357,7 +357,7 @@ def check(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKey
     why = "4/6 with SR or 2-D tiles"
   elif fmt == "nvfp4_tile" and (tile_rows < 32 or tile_rows % 32):
     why = f"{tile_rows=} (a multiple of 32)"
-  elif isinstance(x, Produced):  # its tensor amax would need x first: quantized from its value (`sources`)
+  elif isinstance(x, Produced):  # its tensor amax needs x first: the API quantizes its value (`ops.quantize.api`)
     why = f"x given as {x.kind!r} of its inputs"
   elif x.dtype != jnp.bfloat16 or x.ndim != 2:
     why = f"x {x.dtype} {x.shape}: a 2-D bf16 array"
