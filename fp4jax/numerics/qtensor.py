@@ -11,9 +11,27 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.numerics.codecs import ELEMENT_DECODERS
 from fp4jax.numerics.formats import FormatSpec, get_format
+
+
+def _equal_fields(self, other) -> bool:
+  """`==` of two quantized operands of one type: field by field, as a dataclass's, but a TypeError naming what to
+  compare where two different arrays would meet (an array's `==` is elementwise: a dataclass's `==` raises NumPy's
+  "truth value of an array is ambiguous"). The same object, or jax.eval_shape's (shapes and dtypes), compare. The
+  hash stays the dataclass's, which jit never takes (the arrays are pytree children)."""
+  if type(other) is not type(self):
+    return NotImplemented
+  pairs = [(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
+  arrays = (jax.Array, np.ndarray)
+  if any(a is not b and (isinstance(a, arrays) or isinstance(b, arrays)) for a, b in pairs):
+    name = type(self).__name__
+    raise TypeError(f"{name} == compares arrays element by element; compare them: jax.tree.all(jax.tree.map("
+                    f"jnp.array_equal, a, b)) for the arrays, and the static fmt, axis and shape (a {name}'s "
+                    f"layout)")
+  return all(a is b or a == b for a, b in pairs)
 
 
 class _AlongOneAxis:
@@ -65,6 +83,8 @@ class QTensor(_AlongOneAxis):
   fmt: str = dataclasses.field(metadata=dict(static=True))
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+  __eq__ = _equal_fields
 
   @property
   def nbytes(self) -> int:
@@ -148,6 +168,8 @@ class ScaledValues(_AlongOneAxis):
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  __eq__ = _equal_fields
 
   @property
   def contracting_dim(self) -> int:

@@ -7,6 +7,7 @@ import pytest
 
 from fp4jax.numerics.qtensor import QTensor, codes_from_float4, pack_codes
 from fp4jax.numerics.reference import dequantize, e2m1_decode, quantize
+from fp4jax.numerics.values import scaled_values
 
 
 def _q(fmt="nvfp4", shape=(32, 64), axis=-1):
@@ -24,6 +25,23 @@ def test_pytree_round_trip():
   np.testing.assert_array_equal(through_jit.codes, q.codes)
   mx = _q("mxfp4")
   assert mx.outer is None and len(jax.tree_util.tree_leaves(mx)) == 2
+
+
+def test_equality_of_quantized_arrays_is_a_clear_type_error():
+  """`==` between two QTensors (or ScaledValues) of their own arrays would compare them element by element: it
+  raised NumPy's "truth value of an array ... is ambiguous" (from `!=` and `in` too). The same object, and two of
+  jax.eval_shape's (no arrays to compare), still compare."""
+  q, again = _q(), _q()
+  for a, b in ((q, again), (scaled_values(q), scaled_values(again))):
+    for compare in (lambda: a == b, lambda: a != b, lambda: a in [b]):
+      with pytest.raises(TypeError, match=f"{type(a).__name__} == compares arrays element by element; compare "
+                                          f"them: jax.tree.all"):
+        compare()
+    assert a == a and not a != a  # pylint: disable=comparison-with-itself
+  assert q != "q"
+  abstract = lambda fmt: jax.eval_shape(lambda x: quantize(x, fmt), jnp.ones((32, 64)))
+  assert abstract("nvfp4") == abstract("nvfp4") and abstract("nvfp4") != abstract("mxfp4")
+  assert jax.tree.all(jax.tree.map(jnp.array_equal, q, again))  # what the message suggests
 
 
 def test_float4_views():
