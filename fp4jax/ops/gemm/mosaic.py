@@ -189,6 +189,7 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype=jnp.float32) -> jax.Array:
     raise ValueError(f"mosaic gemm does not support {a.fmt=} {a.kmajor_shape=} x {b.fmt=} {b.kmajor_shape=}")
   if not (compiles_for_gpu() or _interpreting()):
     raise ValueError("the mosaic GEMM backend compiles for a Hopper GPU (or runs in Mosaic GPU's interpret "
-                     "mode): JAX's default backend is not a GPU")
+                     "mode): JAX's default backend is not a GPU; choose gemm 'auto' (the fastest backend that runs "
+                     "here) or 'emulated'")
   a8, b8 = encoding.mx_to_fp8(a), encoding.mx_to_fp8(b)
   return scaled_fp8_matmul(a8.values, a8.row_scale, b8.values, b8.row_scale, out_dtype=out_dtype)

@@ -78,7 +78,9 @@ def test_refuses_to_compile_without_a_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is the default backend")
   a, b = random_mx(4, 128, 256, span=2), random_mx(5, 256, 256, span=2)
-  with pytest.raises(ValueError, match="compiles for a Hopper GPU"):
+  with pytest.raises(ValueError, match=r"compiles for a Hopper GPU \(or runs in Mosaic GPU's interpret mode\): "
+                                       r"JAX's default backend is not a GPU; choose gemm 'auto' \(the fastest "
+                                       r"backend that runs here\) or 'emulated'"):
     mosaic.gemm(a, b, out_dtype=jnp.float32)
 
 
