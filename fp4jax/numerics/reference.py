@@ -396,6 +396,7 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   rounding produced them; blocks whose scale is NaN get zero codes, blocks whose scale is 0 (all-zero blocks)
   signed zeros. `like` is a block-scaled (FP4) QTensor: an FP8 one has no scales to encode onto.
   """
+  _check_qtensor(like, "encode_like's like=")
   if like.scales is None:
     raise ValueError(f"encode_like encodes onto a block-scaled QTensor's scales; {like.fmt!r} has none")
   if tuple(x.shape) != tuple(like.shape):  # a transposed x of as many elements would reshape into garbage
@@ -413,6 +414,13 @@ def encode_like(x: jax.Array, like: QTensor) -> QTensor:
   return dataclasses.replace(like, codes=pack_codes(codes.reshape(*lead, n)))
 
 
+def _check_qtensor(q, what: str) -> None:
+  """A TypeError starting with `what` unless `q` is a QTensor (an array's missing fields fail obscurely)."""
+  if not isinstance(q, QTensor):
+    got = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
+    raise TypeError(f"{what} takes a QTensor (from quantize), got {got}")
+
+
 def decode_scales(scales: jax.Array, spec: FormatSpec) -> jax.Array:
   """float32 block scales: 2^(s - 127) for E8M0 (255 -> NaN), the E4M3 value otherwise."""
   if spec.scale == "e8m0":
@@ -428,9 +436,7 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
   block scale), each product rounded once whatever the backend's flush-to-zero (`ieee.mul_scale`). `dtype`: a
   floating-point dtype (an integer one would truncate the values; float64 needs jax_enable_x64, without which JAX
   would return float32)."""
-  if not isinstance(q, QTensor):
-    what = f"an array of shape {q.shape}" if hasattr(q, "shape") else f"a {type(q).__name__}"
-    raise TypeError(f"dequantize takes a QTensor (from quantize), got {what}")
+  _check_qtensor(q, "dequantize")
   q.check_codes("dequantize got")
   dtype = float_dtype(dtype, "dequantize's dtype=")
   spec, vals = q.spec, q.element_values()  # [..., n]

@@ -277,6 +277,9 @@ def test_encode_like_zero_blocks_and_fp8():
   q = ref.quantize(jnp.ones((64, 32)), "mxfp4")
   with pytest.raises(ValueError, match=r"x shaped like .*x.shape=\(32, 64\), like.shape=\(64, 32\)"):
     ref.encode_like(jnp.ones((32, 64)), q)  # as many elements, transposed: it reshaped into wrong codes
+  with pytest.raises(TypeError, match=r"encode_like's like= takes a QTensor \(from quantize\), got an array of "
+                                      r"shape \(64, 32\)"):
+    ref.encode_like(jnp.ones((64, 32)), jnp.ones((64, 32)))  # was an AttributeError of a tracer
 
 
 @pytest.mark.parametrize("fmt,options", [c[1:] for c in CONFIGS if c[2].get("rounding", "rne") == "rne"],
