@@ -110,6 +110,8 @@ def fwht(a: jax.Array) -> jax.Array:
   a[i] - a[i + s]), in float32. This order is part of the contract: kernels reproduce it bit for bit.
   """
   n = a.shape[-1]
+  if n < 1 or n & (n - 1):  # the butterflies' reshape would fail, naming none of this
+    raise ValueError(f"fwht: a.shape[-1]={n} (a.shape={a.shape}) must be a power of two")
   s = 1
   while s < n:
     pairs = a.reshape(*a.shape[:-1], n // (2 * s), 2, s)

@@ -81,6 +81,7 @@ def test_gemm_invariance():
     (lambda: hadamard(jnp.ones((4, 32)), "h64"), "known kinds"),
     (lambda: hadamard(jnp.ones((32, 32)), "h16", axis=2), r"axis=2 is out of range for x.shape=\(32, 32\)"),
     (lambda: hadamard(jnp.ones((32,)), "h16", axis=-2), "axis=-2 is out of range"),
+    (lambda: fwht(jnp.ones((4, 12))), r"fwht: a.shape\[-1\]=12 \(a.shape=\(4, 12\)\) must be a power of two"),
 ])
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
