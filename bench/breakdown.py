@@ -9,7 +9,9 @@ that launched each. `attribute` joins the two; `breakdown` sums the result by ca
   quantizers     Pallas kernels (fp4jax's fused quantizers)
   attention      cuDNN fused attention (the XLA attention path counts as GEMMs and elementwise)
   fp4 glue       the other ops inside fp4_dot (re-encodes, scale products, layout copies): their name stack
-                 holds fp4_dot's jitted passes
+                 holds fp4_dot's jitted passes; not the ops of an x given as the op producing it (SwiGLU of a
+                 `Produced`, and its derivative), which fp4_dot computes where a bf16 model would too:
+                 elementwise
   optimizer      ops outside the gradient (no jvp/transpose in their name stack): AdamW, the loss's reductions
                  after value_and_grad
   elementwise    everything else: norms, activations, residuals, softmax, casts, copy fusions
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import re
+
+from fp4jax.numerics.produced import SCOPE as _PRODUCER_SCOPE
 
 CATEGORIES = ("fp8 gemm", "bf16 gemm", "quantizers", "attention", "fp4 glue", "elementwise", "optimizer", "copies",
               "communication")
@@ -55,6 +59,8 @@ def _category(rhs: str) -> str:
     return "bf16 gemm"
   if opcode == "dot":
     return "bf16 gemm"
+  if _PRODUCER_SCOPE in scope:
+    return "elementwise"
   if any(s in scope for s in _FP4_DOT_SCOPES):
     return "fp4 glue"
   if scope and "jvp(" not in scope and "transpose(" not in scope:

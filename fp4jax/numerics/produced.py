@@ -99,6 +99,9 @@ def _check_swiglu(y) -> None:
     raise ValueError(f"swiglu takes y [..., 2F] (gate | up), an even last dim: got {y.shape}")
 
 
+# The name scope of a producer's ops where XLA computes them (`Produced.value`), read by `bench.breakdown`.
+SCOPE = "fp4jax_producer"
+
 PRODUCERS: dict[str, Producer] = {
     "swiglu": Producer(swiglu, lambda y: (*y[:-1], y[-1] // 2), _check_swiglu),
 }
@@ -135,8 +138,10 @@ class Produced:
     return self.inputs[0].dtype
 
   def value(self) -> jax.Array:
-    """The operand itself, computed by XLA."""
-    return PRODUCERS[self.kind].value(*self.inputs)
+    """The operand itself, computed by XLA, under the name scope `SCOPE` (its derivative too), so that a
+    profile's breakdown counts the op as the model's own elementwise work wherever fp4_dot computes it."""
+    with jax.named_scope(SCOPE):
+      return PRODUCERS[self.kind].value(*self.inputs)
 
 
 def value(x: jax.Array | Produced) -> jax.Array:

@@ -468,6 +468,7 @@ ENTRY %main {
   %all-reduce.1 = f32[8]{0} all-reduce(%g), replica_groups={}, to_apply=%add
   loop_fusion.4 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f2, metadata={op_name="jit(train_step)/jvp(Llama)/jit(_forward)/mul"}
   %loop_fusion.5 = f32[8]{0} fusion(%p), kind=kLoop, calls=%f3, metadata={op_name="jit(train_step)/adamw/mul"}
+  %concatenate_fusion.7 = bf16[8,16]{1,0} fusion(%y, %dh), kind=kInput, calls=%f5, metadata={op_name="jit(train_step)/transpose(jvp(Llama))/jit(_backward)/transpose(jvp(fp4jax_producer))/concatenate"}
   ROOT %loop_fusion.6 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f4, metadata={op_name="jit(train_step)/transpose(jvp(Llama))/add"}
 }"""
 
@@ -476,7 +477,8 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
   kinds = breakdown.categorize(_MODULE)
   assert kinds == {"fp8": "fp8 gemm", "gemm.2": "bf16 gemm", "tg": "bf16 gemm", "fmha": "attention",
                    "pallas_call.3": "quantizers", "all-reduce.1": "communication", "loop_fusion.4": "fp4 glue",
-                   "loop_fusion.5": "optimizer", "loop_fusion.6": "elementwise"}
+                   "loop_fusion.5": "optimizer", "loop_fusion.6": "elementwise",
+                   "concatenate_fusion.7": "elementwise"}  # SwiGLU's derivative, computed inside fp4_dot
   events = [("fp8", "nvjet_qqtst", 2.0), ("%gemm.2", "sm90_xmma_gemm_bf16", 1.0), ("loop_fusion.5", "k", 0.5),
             ("other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25), ("other.2", "mystery_kernel", 0.125),
             ("loop_fusion.4", "MemcpyD2D", 0.0625), ("dynamic-update-slice.9", "MemcpyD2D", 0.0625)]
@@ -494,6 +496,27 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
       ("fp8 gemm", "bf16[8,8]{1,0}", "nvjet_qqtst", 3.0),
       ("bf16 gemm", "bf16[8,8]{1,0} (contracting 1/0)", "sm90_xmma_gemm_bf16", 1.0),
       ("fp8 gemm", "other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25)]
+
+
+def test_breakdown_counts_a_produced_x_as_the_models_elementwise_work():
+  """fp4_dot of `Produced("swiglu", (y,))` computes SwiGLU (where no kernel does) and its derivative inside its
+  own passes: those ops are the model's elementwise work, as in a bf16 step, not FP4 glue."""
+  from fp4jax import fp4_dot  # pylint: disable=g-import-not-at-top
+  from fp4jax.numerics.produced import Produced  # pylint: disable=g-import-not-at-top
+  y, w = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)
+  loss = lambda y, w: fp4_dot(Produced("swiglu", (y,)), w, route="mxfp4", key=jax.random.key(0)).sum(
+      dtype=jnp.float32)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(y, w).compile().as_text()
+  kinds = breakdown.categorize(text)
+  producer = [name for name, line in _instructions(text) if "fp4jax_producer" in line]
+  assert producer and {kinds[n] for n in producer} == {"elementwise"}
+  assert "fp4 glue" in kinds.values()  # fp4_dot's own glue stays glue
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+  """(name, line) of each instruction of a compiled module's text."""
+  lines = text.splitlines()
+  return [(m.group(1), line) for line in lines if (m := re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line))]
 
 
 def test_step_flops_per_token_is_6n_plus_attention():
