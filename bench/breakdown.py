@@ -177,3 +177,25 @@ def top_kernels(attributed: dict[tuple[str, str, str], float], n: int = 15) -> l
   for (category, _, kernel), seconds in attributed.items():
     totals[(category, kernel)] += seconds
   return [(c, k, s) for (c, k), s in sorted(totals.items(), key=lambda e: -e[1])[:n]]
+
+
+_GEMMS = ("fp8 gemm", "bf16 gemm")
+# What a quantized route does besides its GEMMs that a bf16 step does not: the parts of `against_bf16`.
+_QUANTIZED_WORK = ("quantizers", "fp4 glue")
+
+
+def against_bf16(route: dict[str, float], route_step: float, bf16: dict[str, float], bf16_step: float) -> dict:
+  """A route's profiled step against bf16's (breakdowns in seconds per category, `breakdown`'s, and step seconds):
+
+    bound_s      the route's step if everything but its GEMMs took what it takes bf16: bf16's step less bf16's
+                 GEMMs, plus the route's GEMMs (the fastest the route's GEMMs allow against this bf16 step)
+    bound_x      bf16's step / bound_s: the most "x bf16" the route can reach with these GEMMs
+    overhead_s   the route's step less bound_s, in parts: quantizers and fp4 glue (bf16 has neither), copies
+                 over bf16's (a scanned step's saved values, `copies`), and the rest (other categories and idle
+                 time, over bf16's; negative where the route takes less)
+  """
+  bound = bf16_step - sum(bf16[c] for c in _GEMMS) + sum(route[c] for c in _GEMMS)
+  parts = {c: route[c] for c in _QUANTIZED_WORK} | {"copies": route["copies"] - bf16["copies"]}
+  overhead = route_step - bound
+  return {"bound_s": bound, "bound_x": bf16_step / bound, "overhead_s": overhead,
+          "overhead_parts_s": parts | {"rest": overhead - sum(parts.values())}}

@@ -25,8 +25,10 @@ Columns:
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
 `--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
 kernels and GEMM instructions (with their shapes) that took the most time (`top_kernels`, `top_gemms` in the
-JSON; the first five kernels per route are printed). The profile runs a second compile of the step with XLA's
-command buffers off (`PROFILE_OPTIONS`).
+JSON; the first five kernels per route are printed). With bf16 profiled too, each other route gets a line (and
+`against_bf16` in the JSON, `breakdown.against_bf16`): its step with bf16's time for everything but its GEMMs,
+the "x bf16" that would give, and what its step spends over that (quantizers, FP4 glue, copies, the rest). The
+profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -292,9 +294,25 @@ def _table(rows: list[dict]) -> str:
       lines.append(f"{r['route']:18s} " + " ".join(f"{b[c] * 1e3:13.2f}" for c in cats)
                    + f" {sum(b.values()) * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
     for r in profiled:
+      if "against_bf16" in r:
+        a = r["against_bf16"]
+        parts = ", ".join(f"{name} {s * 1e3:.1f}" for name, s in a["overhead_parts_s"].items())
+        lines.append(f"{r['route']}: with bf16's time for all but its GEMMs {a['bound_s'] * 1e3:.1f} ms, "
+                     f"{a['bound_x']:.2f}x bf16; the {a['overhead_s'] * 1e3:.1f} ms over that: {parts}")
+    for r in profiled:
       lines.append(f"top kernels, {r['route']} (ms per step): " + "; ".join(
           f"{kernel[:48]} [{category}] {s * 1e3:.2f}" for category, kernel, s in r["top_kernels"][:5]))
   return "\n".join(lines)
+
+
+def _add_bounds(rows: list[dict]) -> None:
+  """Sets "against_bf16" (`breakdown.against_bf16`) on each profiled row of a quantized route whose preset and
+  layers have a profiled bf16 row."""
+  base = {(r["preset"], r["layers"]): r for r in rows if r["route"] == "bf16" and "breakdown_s" in r}
+  for r in rows:
+    b = base.get((r["preset"], r["layers"]))
+    if r["route"] != "bf16" and "breakdown_s" in r and b is not None:
+      r["against_bf16"] = breakdown.against_bf16(r["breakdown_s"], r["step_s"], b["breakdown_s"], b["step_s"])
 
 
 def _blocks(args: argparse.Namespace) -> str:
@@ -341,6 +359,7 @@ def run(args: argparse.Namespace) -> None:
         raise
       row = {"route": route, "preset": args.preset, "layers": args.layers, "error": "out of memory"}
     rows.append(row)
+    _add_bounds(rows)
     print(_table(rows), flush=True)  # the table so far: a long run stopped midway still reports its routes
     if args.out:
       with open(args_lib.made_parent(args.out), "w") as f:

@@ -519,6 +519,21 @@ def _instructions(text: str) -> list[tuple[str, str]]:
   return [(m.group(1), line) for line in lines if (m := re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line))]
 
 
+def test_against_bf16_is_the_step_with_bf16s_time_for_all_but_the_gemms():
+  """The H100's Llama-1B profile of 2026-12-06 (docs/BENCHMARKS.md), ms: with bf16's 218.8 - 138.2 ms besides
+  its GEMMs and mxfp4's 59.4 + 12.6 ms of GEMMs, mxfp4 could take 152.6 ms, 1.434x bf16's step; its 208.5 ms
+  are 55.9 over that: quantizers 30.0, glue 20.7, copies 14.6 - 1.4, and -8.0 ms of the rest."""
+  cats = lambda **ms: {c: ms.get(c.replace(" ", "_"), 0.0) / 1e3 for c in (*breakdown.CATEGORIES, "unattributed")}
+  bf16 = cats(bf16_gemm=138.2, attention=29.7, elementwise=30.2, optimizer=10.3, copies=1.4)
+  mxfp4 = cats(fp8_gemm=59.4, bf16_gemm=12.6, quantizers=30.0, attention=26.5, fp4_glue=20.7, elementwise=31.2,
+               optimizer=10.3, copies=14.6)
+  a = breakdown.against_bf16(mxfp4, 0.2085, bf16, 0.2188)
+  assert a["bound_s"] == pytest.approx(0.1526) and a["bound_x"] == pytest.approx(1.4338, abs=1e-4)
+  assert a["overhead_s"] == pytest.approx(0.0559)
+  parts = {k: round(v * 1e3, 6) for k, v in a["overhead_parts_s"].items()}
+  assert parts == {"quantizers": 30.0, "fp4 glue": 20.7, "copies": 13.2, "rest": -8.0}
+
+
 def test_step_flops_per_token_is_6n_plus_attention():
   from fp4jax.nn.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
   cfg = LlamaConfig.preset("1b", max_seq_len=2048)
@@ -542,11 +557,13 @@ def test_bench_step_runs_and_profiles(tmp_path, capsys):
     assert 0 < len(r["top_kernels"]) <= 3 and len(r["top_gemms"]) <= 3
     assert sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]
+  assert "against_bf16" not in rows[0] and rows[1]["against_bf16"]["bound_x"] > 0
   hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
   assert hlo == ["tiny_2l_2x32_unrolled_bf16.hlo.txt", "tiny_2l_2x32_unrolled_mxfp4.hlo.txt"]
   assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
+  assert "mxfp4: with bf16's time for all but its GEMMs" in printed
 
 
 def test_scan_auto_runs_each_route_as_training_does(tmp_path, capsys):
