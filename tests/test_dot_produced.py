@@ -82,6 +82,18 @@ def test_produced_x_of_the_wrong_size_is_refused_by_name():
     fp4_dot(Produced("swiglu", (y,)), w[1:], route="mxfp4", key=KEY)
 
 
+def test_equality_of_produced_operands_is_a_clear_type_error():
+  """`==` of two `Produced` of their own arrays would compare the arrays element by element (NumPy's "truth value
+  ... is ambiguous"): a TypeError saying what to compare instead; the same object and shape-only ones compare."""
+  y = jnp.ones((4, 64), jnp.bfloat16)
+  with pytest.raises(TypeError, match="Produced == compares arrays element by element"):
+    _ = Produced("swiglu", (y,)) == Produced("swiglu", (y + 1,))
+  p = Produced("swiglu", (y,))
+  assert p == p and p != y
+  abstract = jax.eval_shape(lambda y: Produced("swiglu", (y,)), y)
+  assert abstract == jax.eval_shape(lambda y: Produced("swiglu", (y,)), y)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_llama_hands_down_its_swiglu_with_the_same_numbers(scan, launches):
   """A Llama under mxfp4_sr gives the same loss and gradients with `Impl.fuse_producers` on (down's quantizers

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.numerics import ieee
+from fp4jax.numerics.qtensor import equal_fields
 
 Sigmoid = Callable[[jax.Array], jax.Array]
 
@@ -118,6 +119,8 @@ class Produced:
 
   kind: str = dataclasses.field(metadata=dict(static=True))
   inputs: tuple[jax.Array, ...]
+
+  __eq__ = equal_fields
 
   def __post_init__(self):
     if self.kind not in PRODUCERS:

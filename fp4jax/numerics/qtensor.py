@@ -17,20 +17,20 @@ from fp4jax.numerics.codecs import ELEMENT_DECODERS
 from fp4jax.numerics.formats import FormatSpec, get_format
 
 
-def _equal_fields(self, other) -> bool:
-  """`==` of two quantized operands of one type: field by field, as a dataclass's, but a TypeError naming what to
-  compare where two different arrays would meet (an array's `==` is elementwise: a dataclass's `==` raises NumPy's
-  "truth value of an array is ambiguous"). The same object, or jax.eval_shape's (shapes and dtypes), compare. The
-  hash stays the dataclass's, which jit never takes (the arrays are pytree children)."""
+def equal_fields(self, other) -> bool:
+  """`==` of two pytree dataclasses of one type holding arrays (`QTensor`, `ScaledValues`, `Produced`): field by
+  field, as a dataclass's, but a TypeError naming what to compare where two different arrays would meet (an
+  array's `==` is elementwise: a dataclass's `==` raises NumPy's "truth value of an array is ambiguous"). The same
+  object, or jax.eval_shape's (shapes and dtypes), compare. The hash stays the dataclass's, which jit never takes
+  (the arrays are pytree children)."""
   if type(other) is not type(self):
     return NotImplemented
   pairs = [(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)]
-  arrays = (jax.Array, np.ndarray)
-  if any(a is not b and (isinstance(a, arrays) or isinstance(b, arrays)) for a, b in pairs):
+  holds_array = lambda v: any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(v))
+  if any(a is not b and (holds_array(a) or holds_array(b)) for a, b in pairs):
     name = type(self).__name__
     raise TypeError(f"{name} == compares arrays element by element; compare them: jax.tree.all(jax.tree.map("
-                    f"jnp.array_equal, a, b)) for the arrays, and the static fmt, axis and shape (a {name}'s "
-                    f"layout)")
+                    f"jnp.array_equal, a, b)) for the arrays, and the static fields ({name}'s layout)")
   return all(a is b or a == b for a, b in pairs)
 
 
@@ -84,7 +84,7 @@ class QTensor(_AlongOneAxis):
   axis: int = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
-  __eq__ = _equal_fields
+  __eq__ = equal_fields
 
   @property
   def nbytes(self) -> int:
@@ -169,7 +169,7 @@ class ScaledValues(_AlongOneAxis):
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-  __eq__ = _equal_fields
+  __eq__ = equal_fields
 
   @property
   def contracting_dim(self) -> int:
