@@ -179,6 +179,25 @@ def top_kernels(attributed: dict[tuple[str, str, str], float], n: int = 15) -> l
   return [(c, k, s) for (c, k), s in sorted(totals.items(), key=lambda e: -e[1])[:n]]
 
 
+def top_copies(attributed: dict[tuple[str, str, str], float], hlo_text: str,
+               n: int = 20) -> list[tuple[str, str, str, float]]:
+  """The `n` instructions whose copies ("copies": memcpy events) took the most device time in `attribute`'s result,
+  as (instruction, its result type and operands as the module text gives them, the end of its op_name, seconds
+  summed over launches): which saved values a scanned step copies into its stacks, say, and from what."""
+  lines = {m.group(1): m.group(2) for line in hlo_text.splitlines() if (m := _INSTRUCTION.match(line))}
+  totals: dict[str, float] = collections.defaultdict(float)
+  for (category, op, _), seconds in attributed.items():
+    if category == "copies":
+      totals[_op_name(op)] += seconds
+  out = []
+  for op, seconds in sorted(totals.items(), key=lambda e: -e[1])[:n]:
+    rhs = lines.get(op, "")
+    op_name = re.search(r'op_name="([^"]*)"', rhs)
+    out.append((op, re.sub(r",?\s*(metadata|backend_config)=.*", "", rhs)[:200],
+                op_name.group(1)[-120:] if op_name else "", seconds))
+  return out
+
+
 _GEMMS = ("fp8 gemm", "bf16 gemm")
 # What a quantized route does besides its GEMMs that a bf16 step does not: the parts of `against_bf16`.
 _QUANTIZED_WORK = ("quantizers", "fp4 glue")

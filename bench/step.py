@@ -23,12 +23,12 @@ Columns:
            T the sequence length and d the model width (causal attention's QK^T and PV, forward and backward,
            half of the T x T square).
   memory   XLA's plan for the compiled step: arguments + outputs + temporaries - donated buffers, in GiB
-`--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the
-kernels and GEMM instructions (with their shapes) that took the most time (`top_kernels`, `top_gemms` in the
-JSON; the first five kernels per route are printed). With bf16 profiled too, each other route gets a line (and
-`against_bf16` in the JSON, `breakdown.against_bf16`): its step with bf16's time for everything but its GEMMs,
-the "x bf16" that would give, and what its step spends over that (quantizers, FP4 glue, copies, the rest). The
-profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
+`--profile` adds the time per step by category (`bench.breakdown`) from a profile of three steps, and the kernels,
+GEMM instructions (with their shapes) and copied instructions that took the most time (`top_kernels`, `top_gemms`,
+`top_copies` in the JSON; the first five kernels per route are printed). With bf16 profiled too, each other route
+gets a line (and `against_bf16` in the JSON, `breakdown.against_bf16`): its step with bf16's time for everything
+but its GEMMs, the "x bf16" that would give, and what its step spends over that (quantizers, FP4 glue, copies, the
+rest). The profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -259,6 +259,8 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
                           for category, kernel, s in breakdown.top_kernels(attributed, args.top or TOP)]
     row["top_gemms"] = [(category, signature, kernel, s / 3) for category, signature, kernel, s
                         in breakdown.top_gemms(attributed, breakdown.gemm_signatures(hlo_text), args.top or TOP)]
+    row["top_copies"] = [(op, text, op_name, s / 3) for op, text, op_name, s
+                         in breakdown.top_copies(attributed, hlo_text, args.top or TOP)]
     _progress(route, f"profiled in {time.perf_counter() - t_profile:.0f} s")
   del state
   return row

@@ -469,6 +469,7 @@ ENTRY %main {
   loop_fusion.4 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f2, metadata={op_name="jit(train_step)/jvp(Llama)/jit(_forward)/mul"}
   %loop_fusion.5 = f32[8]{0} fusion(%p), kind=kLoop, calls=%f3, metadata={op_name="jit(train_step)/adamw/mul"}
   %concatenate_fusion.7 = bf16[8,16]{1,0} fusion(%y, %dh), kind=kInput, calls=%f5, metadata={op_name="jit(train_step)/transpose(jvp(Llama))/jit(_backward)/transpose(jvp(fp4jax_producer))/concatenate"}
+  %dynamic-update-slice.9 = bf16[4,8,8]{2,1,0} dynamic-update-slice(%stack, %fp8, %i, %z, %z), metadata={op_name="jit(train_step)/jvp()/while/body/dynamic_update_slice"}
   ROOT %loop_fusion.6 = bf16[8]{0} fusion(%x), kind=kLoop, calls=%f4, metadata={op_name="jit(train_step)/transpose(jvp(Llama))/add"}
 }"""
 
@@ -478,10 +479,12 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
   assert kinds == {"fp8": "fp8 gemm", "gemm.2": "bf16 gemm", "tg": "bf16 gemm", "fmha": "attention",
                    "pallas_call.3": "quantizers", "all-reduce.1": "communication", "loop_fusion.4": "fp4 glue",
                    "loop_fusion.5": "optimizer", "loop_fusion.6": "elementwise",
-                   "concatenate_fusion.7": "elementwise"}  # SwiGLU's derivative, computed inside fp4_dot
+                   "concatenate_fusion.7": "elementwise",  # SwiGLU's derivative, computed inside fp4_dot
+                   "dynamic-update-slice.9": "elementwise"}
   events = [("fp8", "nvjet_qqtst", 2.0), ("%gemm.2", "sm90_xmma_gemm_bf16", 1.0), ("loop_fusion.5", "k", 0.5),
             ("other.1", "sm90_xmma_gemm_e4m3e4m3", 0.25), ("other.2", "mystery_kernel", 0.125),
-            ("loop_fusion.4", "MemcpyD2D", 0.0625), ("dynamic-update-slice.9", "MemcpyD2D", 0.0625)]
+            ("loop_fusion.4", "MemcpyD2D", 0.03125), ("dynamic-update-slice.9", "MemcpyD2D", 0.046875),
+            ("%dynamic-update-slice.9 = bf16[4,8,8]", "MemcpyD2D", 0.046875)]
   seconds, top = breakdown.breakdown(breakdown.attribute(_MODULE, events))
   assert seconds["fp8 gemm"] == 2.25 and seconds["bf16 gemm"] == 1.0 and seconds["optimizer"] == 0.5
   assert seconds["copies"] == 0.125 and seconds["fp4 glue"] == 0.0
@@ -490,6 +493,11 @@ def test_breakdown_categorizes_by_instruction_then_kernel_name():
   events += [("fp8", "nvjet_qqtst", 1.0)]  # a second launch of the same kernel adds to its total
   assert breakdown.top_kernels(breakdown.attribute(_MODULE, events), n=2) == [("fp8 gemm", "nvjet_qqtst", 3.0),
                                                          ("bf16 gemm", "sm90_xmma_gemm_bf16", 1.0)]
+  assert breakdown.top_copies(breakdown.attribute(_MODULE, events), _MODULE) == [  # a copy's launches add up
+      ("dynamic-update-slice.9", "bf16[4,8,8]{2,1,0} dynamic-update-slice(%stack, %fp8, %i, %z, %z)",
+       "jit(train_step)/jvp()/while/body/dynamic_update_slice", 0.09375),
+      ("loop_fusion.4", "bf16[8]{0} fusion(%x), kind=kLoop, calls=%f2",
+       "jit(train_step)/jvp(Llama)/jit(_forward)/mul", 0.03125)]
   signatures = breakdown.gemm_signatures(_MODULE)
   assert signatures == {"fp8": "bf16[8,8]{1,0}", "gemm.2": "bf16[8,8]{1,0} (contracting 1/0)"}
   assert breakdown.top_gemms(breakdown.attribute(_MODULE, events), signatures) == [
@@ -554,7 +562,7 @@ def test_bench_step_runs_and_profiles(tmp_path, capsys):
     assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["memory_bytes"] > 0
     assert r["mfu"] is None if peak is None else 0 < r["mfu"] < 1
     assert sum(r["breakdown_s"].values()) > 0
-    assert 0 < len(r["top_kernels"]) <= 3 and len(r["top_gemms"]) <= 3
+    assert 0 < len(r["top_kernels"]) <= 3 and len(r["top_gemms"]) <= 3 and len(r["top_copies"]) <= 3
     assert sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]
   assert "against_bf16" not in rows[0] and rows[1]["against_bf16"]["bound_x"] > 0
