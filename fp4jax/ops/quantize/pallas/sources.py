@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax.numerics import produced
+from fp4jax.numerics import ieee, produced
 from fp4jax.numerics.produced import Produced
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 
@@ -52,11 +52,10 @@ def gpu_sigmoid(g: jax.Array) -> jax.Array:
 
 
 def _bf16_bits(v: jax.Array) -> jax.Array:
-  """float32 bits of float32 v rounded to bf16 (round to nearest even), as XLA's convert gives them: from the
-  bf16's bits, since XLA:GPU drops a convert pair float32 -> bf16 -> float32 (`ieee.bf16_to_f32`), which it
-  compiles in interpret mode on a GPU host."""
-  bits = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
-  return bits << 16
+  """float32 bits of float32 v rounded to bf16 (round to nearest even), as XLA's convert gives them: read back
+  by `ieee.bf16_to_f32`, since XLA:GPU drops a convert pair float32 -> bf16 -> float32, which it compiles in
+  interpret mode on a GPU host."""
+  return jax.lax.bitcast_convert_type(ieee.bf16_to_f32(v.astype(jnp.bfloat16)), jnp.int32)
 
 
 def _f32(bits: jax.Array) -> jax.Array:
