@@ -300,6 +300,50 @@ def test_stacked_and_unrolled_layouts_hold_the_same_parameters():
   assert specs["stacks"][1]["mlp"]["up"]["kernel"].get_value() == P(None, None, "fsdp")
 
 
+@pytest.mark.parametrize("scan,jit", [(False, True), (True, True), (False, False)])
+def test_blocks_drawn_together_are_the_blocks_drawn_one_by_one(scan, jit, monkeypatch):
+  """The blocks' parameters come from one draw per parameter over all blocks (`model._blocks`, vmapped over the
+  stream's counts), bit for bit what drawing block after block gives: the same keys, and the stream left where
+  the loop leaves it (the untied lm_head drawn after the blocks matches too). A separate "params" stream, mixed
+  routes and unfused linears change nothing."""
+  config = dataclasses.replace(TINY, n_layers=4, tie_embeddings=False, fuse_linears=False)
+  rules = RouteRules.standard("mxfp4", n_layers=4, bf16_first=1, bf16_last=0)
+
+  def state():
+    create = lambda: nnx.to_pure_dict(nnx.state(Llama(config, rules=rules, rngs=nnx.Rngs(params=5, other=7),
+                                                      scan_layers=scan)))
+    return jax.jit(create)() if jit else create()
+  together = state()
+  monkeypatch.setattr(model_lib, "_blocks", lambda n, build, rngs: [build(i, rngs) for i in range(n)])
+  one_by_one = state()
+  assert jax.tree.structure(together) == jax.tree.structure(one_by_one)
+  jax.tree.map(np.testing.assert_array_equal, together, one_by_one)
+  assert not np.array_equal(together["lm_head"]["kernel"][:, :TINY.dim], together["embed"]["embedding"].T)
+
+
+def test_the_initializer_draws_once_per_parameter_whatever_the_depth():
+  """A jitted initializer holds one random draw per parameter of a block, not one per parameter and block: each
+  draw was a kernel of its own (a Llama-1B state took 20 s to compile, docs/BENCHMARKS.md)."""
+  def draws(n_layers):
+    config = dataclasses.replace(TINY, n_layers=n_layers)
+    rules = RouteRules.standard("bf16", n_layers=n_layers)
+    return _primitive_count(jax.make_jaxpr(lambda: nnx.state(Llama(config, rules=rules, rngs=nnx.Rngs(0))))().jaxpr,
+                            "random_bits")
+  assert draws(2) == draws(6) > 0
+
+
+def _primitive_count(jaxpr, name: str) -> int:
+  """How many times `jaxpr` binds the primitive `name`, each call of a nested jaxpr counted."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+          count += _primitive_count(getattr(sub, "jaxpr", sub), name)
+  return count
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_weight_decay_reaches_matrices_only_stacked_or_not(scan):
   # Norm scales, [D] per layer, are [L, D] when stacked: a 2-D leaf that must still not decay.

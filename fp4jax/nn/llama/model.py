@@ -122,8 +122,8 @@ class Llama(nnx.Module):
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
-    blocks = [Block(config, layer=i, rules=rules, rngs=rngs, impl=impl, dtype=dtype, param_dtype=param_dtype)
-              for i in range(config.n_layers)]
+    blocks = _blocks(config.n_layers, lambda i, r: Block(config, layer=i, rules=rules, rngs=r, impl=impl,
+                                                         dtype=dtype, param_dtype=param_dtype), rngs)
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if scan_layers == "auto":  # scan where a block runs an FP4 (or FP8) route: see the class docstring
       scan_layers = any(not module.route.high_precision for block in blocks for _, module in nnx.iter_graph(block)
@@ -315,6 +315,36 @@ def _runs(blocks: list[Block]) -> tuple[range, ...]:
       groups.append(range(i, i + 1))
     previous = signature
   return tuple(groups)
+
+
+def _blocks(n: int, build: Callable[[int, nnx.Rngs], Block], rngs: nnx.Rngs) -> list[Block]:
+  """`[build(i, rngs) for i in range(n)]`, the same parameters bit for bit, drawn by one vmapped draw per
+  parameter over the blocks rather than block by block.
+
+  Block i's FP4Linears take their keys from `rngs.params` as the loop would: fold_in(key, count), the stream's
+  count starting at c0 + i * P (P keys per block, one per kernel and bias). Drawn block by block inside a jitted
+  initializer, every draw was a kernel of its own with its key folded in as constants: a Llama-1B state compiled
+  114 of them (docs/BENCHMARKS.md, "Session of 2026-12-06, 16:12 UTC"). An unrolled model's initializer holds one
+  parameter's stack over the blocks besides its per-block slices while it cuts them. Blocks whose states differ
+  in structure (none of the Llama's do) are built one by one."""
+  blocks = [nnx.eval_shape(lambda i=i: build(i, nnx.Rngs(0))) for i in range(n)]  # each block's graph and routes
+  treedef = jax.tree.structure(nnx.state(blocks[0]))
+  if any(jax.tree.structure(nnx.state(block)) != treedef for block in blocks):
+    return [build(i, rngs) for i in range(n)]
+  stream = rngs.params
+  keys = sum(1 + (module.bias is not None)  # FP4Linear.__init__ takes a key for its kernel and one for its bias
+             for _, module in nnx.iter_graph(blocks[0]) if isinstance(module, FP4Linear))
+  start = stream.count[...]
+
+  def one(count):
+    own = nnx.Rngs(params=stream.key[...])
+    own.params.count[...] = count
+    return nnx.state(build(0, own))
+
+  states = jax.vmap(one)(start + keys * jnp.arange(n, dtype=start.dtype))
+  stream.count[...] = start + n * keys
+  return [nnx.merge(nnx.graphdef(block), jax.tree.map(operator.itemgetter(i), states))
+          for i, block in enumerate(blocks)]
 
 
 def _stacked(blocks: list[Block]) -> Block:
