@@ -146,8 +146,8 @@ def check_kernels(cfg: config_lib.Config, routes) -> None:
 def check_attention(lcfg, dtype: str) -> None:
   """Fails with a UserError if the model asks for cuDNN's attention off a GPU, in `dtype` (model.dtype) float32,
   or with a head_dim that cuDNN's flash attention does not take (bf16/fp16 only; a multiple of 8 up to
-  `_cudnn_head_dim_max`): its first call would raise after tokenizing (`attention_impl: auto` takes cuDNN's only
-  where it runs)."""
+  `fp4jax.nn.llama.layers.cudnn_head_dim_max`, the limit `attention_impl: auto` goes by): its first call would
+  raise after tokenizing (`attention_impl: auto` takes cuDNN's only where it runs)."""
   if lcfg.attention_impl != "cudnn":
     return
   if jax.default_backend() != "gpu":
@@ -157,19 +157,13 @@ def check_attention(lcfg, dtype: str) -> None:
     raise UserError(f"model.overrides.attention_impl='cudnn' takes bfloat16 only (cuDNN's flash attention), not "
                     f"model.dtype={dtype!r}; set model.dtype=bfloat16, or attention_impl 'auto' or 'xla' (XLA's "
                     f"attention in {dtype})")
-  head_dim_max = _cudnn_head_dim_max()
+  from fp4jax.nn.llama.layers import cudnn_head_dim_max
+  head_dim_max = cudnn_head_dim_max()
   if lcfg.head_dim % 8 or lcfg.head_dim > head_dim_max:
     raise UserError(f"model.overrides.attention_impl='cudnn' takes a head_dim that is a multiple of 8 up to "
                     f"{head_dim_max} on this GPU (cuDNN's flash attention), not head_dim={lcfg.head_dim} (dim="
                     f"{lcfg.dim} // n_heads={lcfg.n_heads}); change model.overrides dim or n_heads, or set "
                     f"attention_impl 'auto' or 'xla' (XLA's attention)")
-
-
-def _cudnn_head_dim_max() -> int:
-  """The largest head dim cuDNN's flash attention takes on this GPU, by JAX's own check of the call: 256 from
-  compute capability 9.0 (Hopper) on, else 128."""
-  from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=g-direct-jax-src: JAX's own limit
-  return 256 if fused_attention_stablehlo.check_compute_capability("9.0") else 128
 
 
 def check_impl(impl, routes, what: str) -> None:

@@ -538,6 +538,35 @@ def test_attention_auto_falls_back_without_cudnn():
       jax.jit(lambda q, k, v: layers.attention(q, k, v, "auto")).trace(q, k, v).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("head_dim, hopper, cudnn", [
+    (128, False, True), (136, False, False), (136, True, True), (256, True, True), (264, True, False),
+    (132, True, False),
+])
+def test_attention_auto_takes_cudnn_up_to_its_head_dim_limit(monkeypatch, head_dim, hopper, cudnn):
+  """attention_impl="auto" on a GPU takes cuDNN's flash attention for every head dim it runs: a multiple of 8 up
+  to 256 on Hopper and later (it sent 136..256 to XLA's attention, which materializes the scores), up to 128
+  before. Here the platform only says it compiles for a GPU of the given kind, and a recorder stands in for
+  cuDNN's call."""
+  calls = []
+  monkeypatch.setattr(layers.platform, "compiles_for_gpu", lambda: True)
+  monkeypatch.setattr(layers.cudnn_attention, "check_compute_capability", lambda capability: hopper)
+  monkeypatch.setattr(layers, "_cudnn_attention", lambda q, k, v, layer: calls.append(q.shape[-1]) or q)
+  q, k, v = (jnp.zeros(a.shape[:-1] + (head_dim,), a.dtype) for a in _qkv())
+  layers.attention(q, k, v, "auto")
+  assert calls == ([head_dim] if cudnn else [])
+  assert layers.cudnn_head_dim_max() == (256 if hopper else 128)
+
+
+def test_cudnn_head_dim_max_is_128_without_a_gpu_to_ask():
+  """Compiling for a GPU on a machine without one reads no compute capability: the conservative limit."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU answers for itself")
+  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  mesh = AbstractMesh((1,), ("d",), abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+  with use_abstract_mesh(mesh):
+    assert layers.cudnn_head_dim_max() == 128
+
+
 @pytest.mark.parametrize("flags", ["", "--xla_gpu_deterministic_ops=true"])
 def test_cudnn_attention_under_deterministic_ops_has_a_seed_per_block(monkeypatch, flags):
   """Under deterministic ops each block's cuDNN call carries its layer as the (unread) dropout seed, so that no

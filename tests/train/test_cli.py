@@ -110,6 +110,31 @@ def test_cudnn_attention_with_a_head_dim_it_does_not_take_is_a_mistake(monkeypat
       f"'xla' (XLA's attention)")
 
 
+@pytest.mark.parametrize("hopper", [False, True])
+def test_cudnn_attention_check_agrees_with_auto(monkeypatch, hopper):
+  """train's check of attention_impl=cudnn accepts exactly the head dims for which attention_impl=auto takes
+  cuDNN's attention (auto sent 136..256 to XLA's attention on Hopper, where the check let cudnn take them). Here
+  the backend only says it is a GPU of the given kind, and a recorder stands in for cuDNN's call."""
+  import jax.numpy as jnp
+  from jax._src.cudnn import fused_attention_stablehlo
+  from fp4jax.nn.llama import layers
+  monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: hopper)
+  monkeypatch.setattr(layers, "_cudnn_attention", lambda q, k, v, layer: q.at[0, 0, 0, 0].set(1))
+  for dim in (248, 256, 264, 272, 504, 512, 520, 528):
+    sets = ["model.overrides.attention_impl=cudnn", f"model.overrides.dim={dim}", "model.overrides.n_heads=2",
+            "model.overrides.n_kv_heads=1"]
+    lcfg = build.llama_config(config.load_config(None, sets), 257)
+    try:
+      build.check_attention(lcfg, "bfloat16")
+      accepted = True
+    except errors.UserError:
+      accepted = False
+    q = jnp.zeros((1, 4, 2, lcfg.head_dim), jnp.bfloat16)
+    auto_takes_cudnn = bool(layers.attention(q, q[:, :, :1], q[:, :, :1], "auto")[0, 0, 0, 0] == 1)
+    assert accepted == auto_takes_cudnn, (lcfg.head_dim, accepted)
+
+
 def test_a_tokenizer_path_the_byte_tokenizer_ignores_is_one_warning(tmp_path, capsys, monkeypatch):
   """data.tokenizer_path with data.tokenizer=byte (`--set data.tokenizer=byte` over a GPT-2 config) was ignored
   silently: one warning line at the checks before the data, only where both are set."""

@@ -145,16 +145,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
   """Causal `jax.nn.dot_product_attention` of q [B, T, H, Dh] with k, v [B, T, K, Dh] (GQA).
 
   implementation "auto": cuDNN's fused flash attention when compiling for a GPU and q is bf16/f16 with a head
-  dim that is a multiple of 8 up to 128 (what cuDNN's kernel takes), else XLA's, which materializes the
-  [B, H, T, T] scores (out of memory at 1B, seq 2048 on an H200). Where cuDNN turns the call down while
-  tracing (no cuDNN, too old a version) it warns and falls back to XLA. Other values pass through.
+  dim that is a multiple of 8 up to `cudnn_head_dim_max()` (what cuDNN's kernel takes: 256 on Hopper, else 128),
+  else XLA's, which materializes the [B, H, T, T] scores (out of memory at 1B, seq 2048 on an H200). Where cuDNN
+  turns the call down while tracing (no cuDNN, too old a version) it warns and falls back to XLA. Other values
+  pass through.
   layer: the block's index (static), which keeps each block's cuDNN call its own under deterministic ops
   (`_cudnn_attention`).
   """
   if implementation == "auto":
     head_dim = q.shape[-1]
-    cudnn_takes = q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    if platform.compiles_for_gpu() and cudnn_takes:
+    cudnn_takes = q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+    if platform.compiles_for_gpu() and cudnn_takes and head_dim <= cudnn_head_dim_max():
       try:
         return _cudnn_attention(q, k, v, layer)
       except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -168,6 +169,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
     q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation).astype(jnp.float16)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def cudnn_head_dim_max() -> int:
+  """The largest head dim cuDNN's flash attention takes (bf16/f16, a multiple of 8), by JAX's own check of the
+  call: 256 where the default backend is a CUDA GPU of compute capability 9.0 (Hopper) or later, else 128. When a
+  GPU program is compiled on a machine without one (`platform.compiles_for_gpu` through an abstract mesh) no
+  capability can be read, and it is the conservative 128, as JAX's check of the call is there."""
+  return 256 if cudnn_attention.check_compute_capability("9.0") else 128
 
 
 def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: int) -> jax.Array:
