@@ -117,16 +117,21 @@ def default_cache_dir() -> pathlib.Path:
 
 
 CACHE_OFF = ("none", "off")  # the words for "no persistent cache", in train's config and bench's flag alike
+CACHE_ON = ("on", "yes", "true")  # words that ask for a cache without naming one: refused, not taken as paths
 
 
 def cache_dir(setting: str) -> pathlib.Path | None:
   """The cache directory an app setting names: "auto" the default (`default_cache_dir`), "none" or "off" no
   cache (None), in any case; anything else a path, a leading ~ expanded (no shell expands it in
-  `--set run.compile_cache=~/c`, and the apps make the directory they are given). An empty setting is a
-  ValueError (it would name the current directory)."""
+  `--set run.compile_cache=~/c`, and the apps make the directory they are given). An empty setting, or one of
+  CACHE_ON in any case, is a ValueError: the first would name the current directory, the others a directory
+  of that name in it, where "on" meant the default (such a directory is given as ./on)."""
   word = setting.strip().lower()
   if not word:
     raise ValueError("an empty compilation cache setting: give 'auto', 'off' or a directory")
+  if word in CACHE_ON:
+    raise ValueError(f"{setting.strip()!r} names no compilation cache directory: give 'auto' for the default "
+                     f"directory, 'off' for none, or a path (./{setting.strip()} for a directory of that name)")
   if word == "auto":
     return default_cache_dir()
   return None if word in CACHE_OFF else pathlib.Path(setting).expanduser()

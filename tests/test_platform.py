@@ -94,6 +94,18 @@ def test_cache_dir_reads_the_apps_setting(monkeypatch, tmp_path):
   assert platform.cache_dir("~/c") == tmp_path / "home" / "c"
 
 
+@pytest.mark.parametrize("setting", ["on", "ON", " yes ", "True"])
+def test_cache_dir_refuses_a_yes_for_a_directory(setting, tmp_path):
+  """A word that asks for a cache without naming one ("on", "yes", "true", any case) was taken as a relative
+  directory, which the apps then made in the working directory; ./on names such a directory."""
+  with pytest.raises(ValueError, match=rf"^'{setting.strip()}' names no compilation cache directory: give 'auto' "
+                                       rf"for the default directory, 'off' for none, or a path "
+                                       rf"\(\./{setting.strip()} for a directory of that name\)$"):
+    platform.cache_dir(setting)
+  assert platform.cache_dir(f"./{setting.strip()}") == pathlib.Path(setting.strip())
+  assert platform.cache_dir(str(tmp_path / setting.strip())) == tmp_path / setting.strip()
+
+
 def test_two_processes_share_one_compilation_cache(tmp_path):
   """Two processes compiling the same program into one cache directory at once both succeed; a third loads
   the entry (no new file) and computes the same number."""

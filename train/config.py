@@ -199,9 +199,12 @@ class RunConfig:
     expand_home(self, "out_dir")
     _check_counts("run", self, {"steps": _AT_LEAST_1, "log_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
                                 "eval_every": _AT_LEAST_0, "ckpt_every": _AT_LEAST_0, "seed": _SEED,
-                                "out_dir": (bool, "a directory path, not empty"),
-                                "compile_cache": (lambda v: bool(v) and v.lower() not in ("on", "yes", "true"),
-                                                  "'auto', 'none', 'off' or a directory path")})
+                                "out_dir": (bool, "a directory path, not empty")})
+    from fp4jax import platform  # pylint: disable=g-import-not-at-top
+    try:
+      platform.cache_dir(self.compile_cache)  # the words it takes and refuses, bench's --compile-cache's too
+    except ValueError as err:
+      raise ConfigError(f"run.compile_cache={self.compile_cache!r}: {err}") from err
     if len(self.mesh) != 2 or any(d < 1 and d != -1 for d in self.mesh) or self.mesh.count(-1) > 1:
       raise ConfigError(f"run.mesh={list(self.mesh)} must be two sizes [data, fsdp], each >= 1 or one of them -1 "
                         f"(all the remaining devices)")

@@ -182,6 +182,9 @@ def test_cli_errors():
     (["compile", "--step", "tiny", "--small", "--routes", "mxfp4"], "--small and --shapes choose fp4_dot's shapes"),
     (["compile", "--step", "tiny", "--warm", "--routes", "mxfp4"], "--warm keeps the persistent cache on"),
     (["--compile-cache", " ", "program", "--small", "--routes", "mxfp4"], "an empty compilation cache setting"),
+    (["--compile-cache", "On", "triton", "mx nope"],  # it made the directory ./On, then refused the kernel
+     r"^python -m bench triton: error: --compile-cache='On': 'On' names no compilation cache directory: give 'auto' "
+     r"for the default directory, 'off' for none, or a path \(\./On for a directory of that name\)$"),
     (["program", "--small", "--routes", "bf16"], "bf16 lowers no quantizer or FP4 GEMM"),
     (["triton", "--shape", "32x32", "eden amax rht128"], "kernel 'eden amax rht128' does not take --shape 32x32"),
     (["step", "--preset", "tiny", "--scan-saves", "operands", "--routes", "bf16"], "--scan-saves .* add --scan"),

@@ -40,13 +40,16 @@ def test_yaml_and_overrides(tmp_path):
     ("noequals", r"must look like key.sub=value"),
     ("run.log_every=0", r"run.log_every=0 must be >= 1"),  # was a ZeroDivisionError after the first step
     ("run.steps=0", r"run.steps=0 must be >= 1"),
-    ("run.compile_cache=on", r"run.compile_cache='on' must be 'auto', 'none', 'off' or a directory path"),
+    ("run.compile_cache=on", r"run.compile_cache='on': 'on' names no compilation cache directory: give 'auto' "
+                             r"for the default directory, 'off' for none, or a path \(\./on for a directory of "
+                             r"that name\)$"),
+    ("run.compile_cache=Yes", r"run.compile_cache='Yes': 'Yes' names no compilation cache directory: .*\./Yes"),
     ("run.seed=1e400", r"run.seed: expected an int, got '1e400'"),  # was an OverflowError traceback
     ("run.steps=.inf", r"run.steps: expected an int, got inf"),
     ("run.routes=[bf16,mxfp4,bf16]", r"run.routes=\['bf16', 'mxfp4', 'bf16'\] names a route twice"),
     ("study.tokens=1", r"unknown key\(s\) \['study'\].*python -m train.study"),
     ("run.seed=9223372036854775808", r"run.seed: 9223372036854775808 is too large \(\|value\| < 2\*\*63\)"),
-    ("run.compile_cache=", r"run.compile_cache='' must be 'auto', 'none', 'off' or a directory path"),
+    ("run.compile_cache=", r"run.compile_cache='': an empty compilation cache setting: give 'auto', 'off' or a "),
     ("run.ckpt_every=-1", r"run.ckpt_every=-1 must be >= 0"),
     ("data.batch_size=0", r"data.batch_size=0 must be >= 1"),
     ("data.microbatches=0", r"data.microbatches=0 must be >= 1"),
@@ -262,6 +265,21 @@ def test_unusable_directories_are_one_cli_line(tmp_path, capsys, monkeypatch):
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("python -m train: error: run.compile_cache=auto, whose directory ($FP4JAX_CACHE, else "
                             f"$XDG_CACHE_HOME/fp4jax/jax)={str(blocker)!r}: cannot use it as a directory"), err
+
+
+def test_a_yes_for_the_compile_cache_is_one_cli_line(tmp_path, capsys, monkeypatch):
+  """run.compile_cache " On " (quoted in a config file, so neither YAML nor the config's own check read it as a
+  word) made a directory " On " in the working directory; it is one line and exit status 2, and nothing is
+  made."""
+  from train.main import EXIT_USER_ERROR, main
+  monkeypatch.chdir(tmp_path)
+  path = _write(tmp_path, 'run: {compile_cache: " On "}\ndata: {sources: [missing.txt]}\n')
+  assert main(["--config", path, "--set", f"run.out_dir={tmp_path / 'run'}"]) == EXIT_USER_ERROR
+  err = capsys.readouterr().err.strip()
+  assert err == ("python -m train: error: run.compile_cache=' On ': 'On' names no compilation cache directory: give "
+                 "'auto' for the default directory, 'off' for none, or a path (./On for a directory of that "
+                 "name)"), err
+  assert sorted(os.listdir(tmp_path)) == ["c.yaml"]
 
 
 def test_a_file_in_place_of_a_routes_directory_is_one_cli_line(tmp_path, capsys):
