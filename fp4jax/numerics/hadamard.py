@@ -52,8 +52,16 @@ def _kind(kind: str) -> HadamardKind:
     raise ValueError(f"unknown Hadamard {kind=}; known kinds: {sorted(KINDS)}") from None
 
 
+def _check_int(value, what: str) -> None:
+  """A TypeError naming `what` (the argument and what it takes) unless `value` is a Python or NumPy integer; a
+  bool is none (True would silently be 1), nor a float or a string (they fail deep inside, naming no argument)."""
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+    raise TypeError(f"{what}, got {value!r}")
+
+
 def sylvester(n: int) -> np.ndarray:
   """The n x n Sylvester Hadamard matrix (n a power of two), entries +-1, float32."""
+  _check_int(n, "sylvester: n= takes an int (a power of two)")
   if n < 1 or n & (n - 1):
     raise ValueError(f"Sylvester Hadamard size {n=} must be a power of two")
   h = np.ones((1, 1), np.float32)
@@ -85,6 +93,7 @@ def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> j
   handful of XLA instructions (every quantizer launch with a transform builds its words; a scatter-add took a
   few dozen), and a constant for fixed signs."""
   n = _kind(kind).n
+  _check_int(words, "negative_words: words= takes an int (how many uint32 words hold the signs)")
   if n > 32 * words:
     raise ValueError(f"negative_words: {kind=} has {n} signs, more than {words} words hold")
   per = min(n, 32)
@@ -126,6 +135,7 @@ def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None =
              inverse: bool = False) -> jax.Array:
   """Applies the blockwise transform of `kind` along `axis` (its inverse, M^T, if `inverse`); float32 result."""
   spec = _kind(kind)
+  _check_int(axis, f"Hadamard {kind=}: axis= takes an int (an axis of x)")
   if not -x.ndim <= axis < x.ndim:  # x.shape[axis] would fail as "tuple index out of range"
     raise ValueError(f"Hadamard {kind=}: {axis=} is out of range for x.shape={x.shape}")
   n, length = spec.n, x.shape[axis]

@@ -7,7 +7,8 @@ import numpy_ref  # tests/numpy_ref.py
 import pytest
 
 from fp4jax.numerics import prng
-from fp4jax.numerics.hadamard import D16, KINDS, fwht, hadamard, hadamard_matrix, hadamard_signs, negative_words
+from fp4jax.numerics.hadamard import (D16, KINDS, fwht, hadamard, hadamard_matrix, hadamard_signs, negative_words,
+                                      sylvester)
 
 KEY = jax.random.key(11)
 
@@ -86,6 +87,32 @@ def test_gemm_invariance():
 def test_invalid_calls(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: hadamard(jnp.ones((4, 32)), "h32", axis=1.0), r"^Hadamard kind='h32': axis= takes an int \(an axis of "
+                                                            r"x\), got 1.0"),
+    (lambda: hadamard(jnp.ones((32, 16)), "h16", axis=True), "axis= takes an int .*, got True"),  # was axis 1
+    (lambda: hadamard(jnp.ones((4, 32)), "h32", axis="1"), "axis= takes an int .*, got '1'"),
+    (lambda: hadamard(jnp.ones((4, 32)), "h32", axis=np.True_), "axis= takes an int .*, got np.True_"),
+    (lambda: sylvester(16.0), r"^sylvester: n= takes an int \(a power of two\), got 16.0$"),
+    (lambda: sylvester(True), "n= takes an int .*, got True$"),  # was the 1 x 1 matrix
+    (lambda: negative_words("h32", words=4.0), r"^negative_words: words= takes an int \(how many uint32 words hold "
+                                                r"the signs\), got 4.0$"),
+    (lambda: negative_words("h16", words=True), "words= takes an int .*, got True$"),  # was one word
+])
+def test_a_non_integer_size_or_axis_is_a_type_error(call, match):
+  """A float, bool or string where an int goes failed deep inside (a float axis as "tuple indices must be
+  integers or slices, not float") or, a bool, silently stood for 0 or 1."""
+  with pytest.raises(TypeError, match=match):
+    call()
+
+
+def test_numpy_integers_are_integers():
+  x = jax.random.normal(KEY, (32, 64))
+  np.testing.assert_array_equal(hadamard(x, "h32", axis=np.int64(0)), hadamard(x, "h32", axis=0))
+  np.testing.assert_array_equal(sylvester(np.int32(16)), sylvester(16))
+  np.testing.assert_array_equal(negative_words("h16", words=np.uint8(2)), negative_words("h16", words=2))
 
 
 def _fwht_recursive(a: np.ndarray) -> np.ndarray:
