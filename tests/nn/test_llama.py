@@ -302,8 +302,8 @@ def test_stacked_and_unrolled_layouts_hold_the_same_parameters():
 
 @pytest.mark.parametrize("scan,jit", [(False, True), (True, True), (False, False)])
 def test_blocks_drawn_together_are_the_blocks_drawn_one_by_one(scan, jit, monkeypatch):
-  """The blocks' parameters come from one draw per parameter over all blocks (`model._blocks`, vmapped over the
-  stream's counts), bit for bit what drawing block after block gives: the same keys, and the stream left where
+  """The blocks' parameters come from one draw per parameter over all blocks (`model._drawn_blocks`, vmapped over
+  the stream's counts), bit for bit what drawing block after block gives: the same keys, and the stream left where
   the loop leaves it (the untied lm_head drawn after the blocks matches too). A separate "params" stream, mixed
   routes and unfused linears change nothing."""
   config = dataclasses.replace(TINY, n_layers=4, tie_embeddings=False, fuse_linears=False)
@@ -314,7 +314,7 @@ def test_blocks_drawn_together_are_the_blocks_drawn_one_by_one(scan, jit, monkey
                                                       scan_layers=scan)))
     return jax.jit(create)() if jit else create()
   together = state()
-  monkeypatch.setattr(model_lib, "_blocks", lambda n, build, rngs: [build(i, rngs) for i in range(n)])
+  monkeypatch.setattr(model_lib, "_drawn_blocks", lambda n, build, rngs: ([build(i, rngs) for i in range(n)], None))
   one_by_one = state()
   assert jax.tree.structure(together) == jax.tree.structure(one_by_one)
   jax.tree.map(np.testing.assert_array_equal, together, one_by_one)

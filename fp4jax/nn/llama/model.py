@@ -122,8 +122,8 @@ class Llama(nnx.Module):
     embed_init = sharded_init(nnx.initializers.normal(config.init_std), ("fsdp", None))
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embed_init, rngs=rngs)  # embedding [V, D]
-    blocks = _blocks(config.n_layers, lambda i, r: Block(config, layer=i, rules=rules, rngs=r, impl=impl,
-                                                         dtype=dtype, param_dtype=param_dtype), rngs)
+    build = lambda i, r: Block(config, layer=i, rules=rules, rngs=r, impl=impl, dtype=dtype, param_dtype=param_dtype)
+    blocks, drawn = _drawn_blocks(config.n_layers, build, rngs)  # abstract blocks and their stacked parameters
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, param_dtype=param_dtype, rngs=rngs)
     if scan_layers == "auto":  # scan where a block runs an FP4 (or FP8) route: see the class docstring
       scan_layers = any(not module.route.high_precision for block in blocks for _, module in nnx.iter_graph(block)
@@ -132,9 +132,9 @@ class Llama(nnx.Module):
     self.block_groups = _runs(blocks) if scan_layers else tuple(range(i, i + 1) for i in range(len(blocks)))
     if scan_layers:
       self.layers = nnx.data(None)
-      self.stacks = nnx.List([_stacked(blocks[g.start:g.stop]) for g in self.block_groups])
+      self.stacks = nnx.List([_stacked(blocks, drawn, g) for g in self.block_groups])
     else:
-      self.layers = nnx.List(blocks)
+      self.layers = nnx.List(_per_layer(blocks, drawn))
       self.stacks = nnx.data(None)
     if config.tie_embeddings:
       self.lm_head = nnx.data(None)
@@ -317,20 +317,20 @@ def _runs(blocks: list[Block]) -> tuple[range, ...]:
   return tuple(groups)
 
 
-def _blocks(n: int, build: Callable[[int, nnx.Rngs], Block], rngs: nnx.Rngs) -> list[Block]:
-  """`[build(i, rngs) for i in range(n)]`, the same parameters bit for bit, drawn by one vmapped draw per
-  parameter over the blocks rather than block by block.
+def _drawn_blocks(n: int, build: Callable[[int, nnx.Rngs], Block], rngs: nnx.Rngs) -> tuple[list[Block], Any]:
+  """The parameters of `[build(i, rngs) for i in range(n)]` bit for bit, drawn by one vmapped draw per parameter
+  over the blocks rather than block by block: (the blocks, abstract: their graphs and routes; their parameters,
+  one nnx.State with a leading block axis), which `_per_layer` and `_stacked` assemble.
 
   Block i's FP4Linears take their keys from `rngs.params` as the loop would: fold_in(key, count), the stream's
   count starting at c0 + i * P (P keys per block, one per kernel and bias). Drawn block by block inside a jitted
-  initializer, every draw was a kernel of its own with its key folded in as constants: a Llama-1B state compiled
-  114 of them (docs/BENCHMARKS.md, "Session of 2026-12-06, 16:12 UTC"). An unrolled model's initializer holds one
-  parameter's stack over the blocks besides its per-block slices while it cuts them. Blocks whose states differ
-  in structure (none of the Llama's do) are built one by one."""
-  blocks = [nnx.eval_shape(lambda i=i: build(i, nnx.Rngs(0))) for i in range(n)]  # each block's graph and routes
+  initializer, every draw was a kernel of its own with its key folded in as constants: a Llama-1B state took 21 s
+  to compile on an H100 (docs/BENCHMARKS.md, "Session of 2026-12-06, 16:12 UTC"). Blocks whose states differ in
+  structure (none of the Llama's do) are built one by one: (the blocks, None)."""
+  blocks = [nnx.eval_shape(lambda i=i: build(i, nnx.Rngs(0))) for i in range(n)]
   treedef = jax.tree.structure(nnx.state(blocks[0]))
   if any(jax.tree.structure(nnx.state(block)) != treedef for block in blocks):
-    return [build(i, rngs) for i in range(n)]
+    return [build(i, rngs) for i in range(n)], None
   stream = rngs.params
   keys = sum(1 + (module.bias is not None)  # FP4Linear.__init__ takes a key for its kernel and one for its bias
              for _, module in nnx.iter_graph(blocks[0]) if isinstance(module, FP4Linear))
@@ -341,17 +341,33 @@ def _blocks(n: int, build: Callable[[int, nnx.Rngs], Block], rngs: nnx.Rngs) -> 
     own.params.count[...] = count
     return nnx.state(build(0, own))
 
-  states = jax.vmap(one)(start + keys * jnp.arange(n, dtype=start.dtype))
+  drawn = jax.vmap(one)(start + keys * jnp.arange(n, dtype=start.dtype))
   stream.count[...] = start + n * keys
-  return [nnx.merge(nnx.graphdef(block), jax.tree.map(operator.itemgetter(i), states))
-          for i, block in enumerate(blocks)]
+  return blocks, drawn
 
 
-def _stacked(blocks: list[Block]) -> Block:
-  """One block (the first one's modules and routes) whose every parameter is those of `blocks` stacked along a
-  new leading layer axis, unsharded (its sharding names get a leading None)."""
-  graphdef = nnx.graphdef(blocks[0])
-  stack = nnx.merge(graphdef, jax.tree.map(lambda *p: jnp.stack(p), *(nnx.state(b) for b in blocks)))
+def _per_layer(blocks: list[Block], drawn: Any) -> list[Block]:
+  """`_drawn_blocks`' blocks, each with its own parameters. Each is cut from the stack at an index XLA cannot
+  fold (an optimization barrier), so that every block's cut is one kernel per parameter shape rather than one per
+  block (the same copy; a 1B initializer compiled 100 kernels with static slices, 40 so)."""
+  if drawn is None:
+    return blocks
+
+  def cut(i):
+    index = jax.lax.optimization_barrier(jnp.int32(i))
+    return jax.tree.map(lambda stack: jax.lax.dynamic_index_in_dim(stack, index, keepdims=False), drawn)
+  return [nnx.merge(nnx.graphdef(block), cut(i)) for i, block in enumerate(blocks)]
+
+
+def _stacked(blocks: list[Block], drawn: Any, group: range) -> Block:
+  """One block (the first of `group`'s modules and routes) holding the parameters of `blocks[group]` stacked
+  along a new leading layer axis, unsharded (its sharding names get a leading None): `_drawn_blocks`' stack
+  sliced, or the blocks' parameters stacked where they were built one by one."""
+  if drawn is None:
+    state = jax.tree.map(lambda *p: jnp.stack(p), *(nnx.state(blocks[i]) for i in group))
+  else:
+    state = jax.tree.map(lambda stack: stack[group.start:group.stop], drawn)
+  stack = nnx.merge(nnx.graphdef(blocks[group.start]), state)
   for _, variable in nnx.iter_graph(stack):
     if isinstance(variable, nnx.Variable) and variable.has_metadata("out_sharding"):
       names = variable.get_metadata()["out_sharding"]
