@@ -59,6 +59,13 @@ def _check_int(value, what: str) -> None:
     raise TypeError(f"{what}, got {value!r}")
 
 
+def _check_bool(value, what: str) -> None:
+  """A TypeError naming `what` unless `value` is a Python or NumPy bool: any other value would be taken by its
+  truth, so `inverse="no"` would silently invert."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{what}, got {value!r}")
+
+
 def sylvester(n: int) -> np.ndarray:
   """The n x n Sylvester Hadamard matrix (n a power of two), entries +-1, float32."""
   _check_int(n, "sylvester: n= takes an int (a power of two)")
@@ -107,6 +114,7 @@ def hadamard_matrix(kind: str, key: jax.Array | None = None, *, normalized: bool
 
   normalized=False gives the +-1 entries a kernel keeps in low precision, applying 1/sqrt(n) in float32 itself.
   """
+  _check_bool(normalized, "hadamard_matrix: normalized= takes a bool")
   signs = hadamard_signs(kind, key)
   m = jnp.asarray(sylvester(signs.shape[0])) * signs[None, :]
   return m * jnp.float32(1 / math.sqrt(signs.shape[0])) if normalized else m
@@ -136,6 +144,7 @@ def hadamard(x: jax.Array, kind: str, *, axis: int = -1, key: jax.Array | None =
   """Applies the blockwise transform of `kind` along `axis` (its inverse, M^T, if `inverse`); float32 result."""
   spec = _kind(kind)
   _check_int(axis, f"Hadamard {kind=}: axis= takes an int (an axis of x)")
+  _check_bool(inverse, f"Hadamard {kind=}: inverse= takes a bool")
   if not -x.ndim <= axis < x.ndim:  # x.shape[axis] would fail as "tuple index out of range"
     raise ValueError(f"Hadamard {kind=}: {axis=} is out of range for x.shape={x.shape}")
   n, length = spec.n, x.shape[axis]

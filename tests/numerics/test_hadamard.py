@@ -108,6 +108,20 @@ def test_a_non_integer_size_or_axis_is_a_type_error(call, match):
     call()
 
 
+@pytest.mark.parametrize("call,match", [
+    (lambda: hadamard(jnp.ones((4, 32)), "h32", inverse="no"), r"^Hadamard kind='h32': inverse= takes a bool, "
+                                                                r"got 'no'"),  # was the inverse
+    (lambda: hadamard(jnp.ones((4, 32)), "h32", inverse=0), "inverse= takes a bool, got 0"),
+    (lambda: hadamard_matrix("h16", normalized="no"), r"^hadamard_matrix: normalized= takes a bool, got 'no'$"),
+])
+def test_a_flag_that_is_no_bool_is_a_type_error(call, match):
+  """Flags were taken by their truth: inverse="no" inverted, normalized="no" normalized."""
+  with pytest.raises(TypeError, match=match):
+    call()
+  x = jax.random.normal(KEY, (4, 32))
+  np.testing.assert_array_equal(hadamard(x, "h32", inverse=np.True_), hadamard(x, "h32", inverse=True))
+
+
 def test_numpy_integers_are_integers():
   x = jax.random.normal(KEY, (32, 64))
   np.testing.assert_array_equal(hadamard(x, "h32", axis=np.int64(0)), hadamard(x, "h32", axis=0))
