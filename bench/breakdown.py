@@ -68,14 +68,16 @@ def _category(rhs: str) -> str:
   return "elementwise"
 
 
+def _instructions(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> the rest of its line (result type, operands, attributes), for every instruction in a
+  compiled module's text."""
+  return {m.group(1): m.group(2) for line in hlo_text.splitlines()
+          if (m := _INSTRUCTION.match(line)) and not line.lstrip().startswith(("HloModule", "ENTRY", "//"))}
+
+
 def categorize(hlo_text: str) -> dict[str, str]:
   """Instruction name -> category (`CATEGORIES`) for every instruction in a compiled module's text."""
-  out = {}
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if m and not line.lstrip().startswith(("HloModule", "ENTRY", "//")):
-      out[m.group(1)] = _category(m.group(2))
-  return out
+  return {name: _category(rest) for name, rest in _instructions(hlo_text).items()}
 
 
 def _kernel_category(kernel: str) -> str | None:
@@ -184,7 +186,7 @@ def top_copies(attributed: dict[tuple[str, str, str], float], hlo_text: str,
   """The `n` instructions whose copies ("copies": memcpy events) took the most device time in `attribute`'s result,
   as (instruction, its result type and operands as the module text gives them, the end of its op_name, seconds
   summed over launches): which saved values a scanned step copies into its stacks, say, and from what."""
-  lines = {m.group(1): m.group(2) for line in hlo_text.splitlines() if (m := _INSTRUCTION.match(line))}
+  lines = _instructions(hlo_text)
   totals: dict[str, float] = collections.defaultdict(float)
   for (category, op, _), seconds in attributed.items():
     if category == "copies":
