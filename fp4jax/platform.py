@@ -120,12 +120,19 @@ CACHE_OFF = ("none", "off")  # the words for "no persistent cache", in train's c
 CACHE_ON = ("on", "yes", "true")  # words that ask for a cache without naming one: refused, not taken as paths
 
 
+def _absolute(path: str | os.PathLike) -> pathlib.Path:
+  """`path` with a leading ~ expanded, made absolute against the current directory: JAX and the kernel files
+  open a cache directory when they first write to it, and a relative one would follow a later os.chdir."""
+  return pathlib.Path(os.path.abspath(pathlib.Path(path).expanduser()))
+
+
 def cache_dir(setting: str) -> pathlib.Path | None:
-  """The cache directory an app setting names: "auto" the default (`default_cache_dir`), "none" or "off" no
-  cache (None), in any case; anything else a path, a leading ~ expanded (no shell expands it in
-  `--set run.compile_cache=~/c`, and the apps make the directory they are given). An empty setting, or one of
-  CACHE_ON in any case, is a ValueError: the first would name the current directory, the others a directory
-  of that name in it, where "on" meant the default (such a directory is given as ./on)."""
+  """The cache directory an app setting names, absolute (relative to the current directory, `_absolute`):
+  "auto" the default (`default_cache_dir`), "none" or "off" no cache (None), in any case; anything else a path,
+  a leading ~ expanded (no shell expands it in `--set run.compile_cache=~/c`, and the apps make the directory
+  they are given). An empty setting, or one of CACHE_ON in any case, is a ValueError: the first would name the
+  current directory, the others a directory of that name in it, where "on" meant the default (such a directory
+  is given as ./on)."""
   word = setting.strip().lower()
   if not word:
     raise ValueError("an empty compilation cache setting: give 'auto', 'off' or a directory")
@@ -133,16 +140,16 @@ def cache_dir(setting: str) -> pathlib.Path | None:
     raise ValueError(f"{setting.strip()!r} names no compilation cache directory: give 'auto' for the default "
                      f"directory, 'off' for none, or a path (./{setting.strip()} for a directory of that name)")
   if word == "auto":
-    return default_cache_dir()
-  return None if word in CACHE_OFF else pathlib.Path(setting).expanduser()
+    return _absolute(default_cache_dir())
+  return None if word in CACHE_OFF else _absolute(setting)
 
 
 def kernel_cache_dir(cache: str | os.PathLike | None) -> pathlib.Path | None:
   """Where `fp4jax.compiling` keeps its kernel files beside the persistent compilation cache `cache` (None: no
-  cache, so none kept): the sibling directory `<cache>-xla-kernels` (~/.cache/fp4jax/jax-xla-kernels)."""
+  cache, so none kept): the sibling directory `<cache>-xla-kernels` (~/.cache/fp4jax/jax-xla-kernels), absolute."""
   if cache is None:
     return None
-  path = pathlib.Path(cache).expanduser()
+  path = _absolute(cache)
   return path.with_name(path.name + "-xla-kernels")
 
 
@@ -150,8 +157,10 @@ def enable_compilation_cache(directory: str | os.PathLike | None) -> pathlib.Pat
   """Turns on JAX's persistent compilation cache in `directory` (created if missing; None turns it off), so a
   second run of the same program loads its executables instead of compiling them (the Pallas kernels' Triton
   code included: it is part of the XLA executable). Every entry is kept (no minimum compile time). JAX writes
-  each entry to a temporary file and renames it into place, so processes may share one directory."""
-  path = None if directory is None else pathlib.Path(directory).expanduser()
+  each entry to a temporary file and renames it into place, so processes may share one directory. A relative
+  `directory` is taken from the current directory now (returned and given to JAX absolute): JAX opens it only
+  when it first reads or writes an entry, after a later os.chdir it would find another directory."""
+  path = None if directory is None else _absolute(directory)
   if path is not None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -102,7 +102,7 @@ def test_cache_dir_refuses_a_yes_for_a_directory(setting, tmp_path):
                                        rf"for the default directory, 'off' for none, or a path "
                                        rf"\(\./{setting.strip()} for a directory of that name\)$"):
     platform.cache_dir(setting)
-  assert platform.cache_dir(f"./{setting.strip()}") == pathlib.Path(setting.strip())
+  assert platform.cache_dir(f"./{setting.strip()}") == pathlib.Path.cwd() / setting.strip()
   assert platform.cache_dir(str(tmp_path / setting.strip())) == tmp_path / setting.strip()
 
 
@@ -117,6 +117,20 @@ def test_two_processes_share_one_compilation_cache(tmp_path):
   assert sorted(p.name for p in cache.rglob("*") if p.is_file()) == entries
   _run(cache, 2.0)  # another program: another entry
   assert len([p for p in cache.rglob("*") if p.is_file()]) > len(entries)
+
+
+def test_a_relative_cache_directory_stays_where_it_was_named(monkeypatch, tmp_path):
+  """A relative cache directory reached JAX relative, which opens it only at its first entry: after an
+  os.chdir the entries went to a directory of that name under the new working directory."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("FP4JAX_CACHE", "env")
+  assert platform.cache_dir("rel") == tmp_path / "rel" and platform.cache_dir("auto") == tmp_path / "env"
+  assert platform.kernel_cache_dir("rel") == tmp_path / "rel-xla-kernels"
+  try:
+    assert platform.enable_compilation_cache("rel") == tmp_path / "rel"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "rel")
+  finally:
+    platform.enable_compilation_cache(None)
 
 
 def test_cache_off(tmp_path):
