@@ -127,6 +127,7 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from fp4jax.nn import RouteRules  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama import Llama, LlamaConfig  # pylint: disable=g-import-not-at-top
+  from fp4jax.nn.llama.layers import check_cudnn_head_dim  # pylint: disable=g-import-not-at-top
   from fp4jax.nn.llama.model import SCAN_POLICIES  # pylint: disable=g-import-not-at-top
   flax = route == flax_fp8.NAME  # Flax's FP8 op on bf16 linears, with its delayed-scaling state
   overrides = {"n_layers": layers} if layers else {}
@@ -141,6 +142,12 @@ def llama_step(preset: str, route: str, *, batch: int, seq: int, scan: bool | st
                     f"or xla")
   cfg = LlamaConfig.preset(preset, max_seq_len=seq, attention_impl=attention,
                            fuse_linears=fuse_linears and not flax, **overrides)
+  if attention == "cudnn":  # else its first call fails when the step is traced
+    try:
+      check_cudnn_head_dim(cfg.head_dim, "bench step: --attention cudnn")
+    except ValueError as err:
+      raise UserError(f"{err} (preset {preset}: dim={cfg.dim} // n_heads={cfg.n_heads}); use --attention auto or "
+                      f"xla") from err
   rules = RouteRules.standard("bf16" if flax else route, n_layers=cfg.n_layers, bf16_first=0, bf16_last=0)
   tx = optax.adamw(1e-4)
 

@@ -146,8 +146,9 @@ def check_kernels(cfg: config_lib.Config, routes) -> None:
 def check_attention(lcfg, dtype: str) -> None:
   """Fails with a UserError if the model asks for cuDNN's attention off a GPU, in `dtype` (model.dtype) float32,
   or with a head_dim that cuDNN's flash attention does not take (bf16/fp16 only; a multiple of 8 up to
-  `fp4jax.nn.llama.layers.cudnn_head_dim_max`, the limit `attention_impl: auto` goes by): its first call would
-  raise after tokenizing (`attention_impl: auto` takes cuDNN's only where it runs)."""
+  `cudnn_head_dim_max`, by the rule `attention_impl: auto` goes by: `fp4jax.nn.llama.layers.check_cudnn_head_dim`,
+  bench step's check too): its first call would raise after tokenizing (`attention_impl: auto` takes cuDNN's only
+  where it runs)."""
   if lcfg.attention_impl != "cudnn":
     return
   if jax.default_backend() != "gpu":
@@ -157,13 +158,12 @@ def check_attention(lcfg, dtype: str) -> None:
     raise UserError(f"model.overrides.attention_impl='cudnn' takes bfloat16 only (cuDNN's flash attention), not "
                     f"model.dtype={dtype!r}; set model.dtype=bfloat16, or attention_impl 'auto' or 'xla' (XLA's "
                     f"attention in {dtype})")
-  from fp4jax.nn.llama.layers import cudnn_head_dim_max
-  head_dim_max = cudnn_head_dim_max()
-  if lcfg.head_dim % 8 or lcfg.head_dim > head_dim_max:
-    raise UserError(f"model.overrides.attention_impl='cudnn' takes a head_dim that is a multiple of 8 up to "
-                    f"{head_dim_max} on this GPU (cuDNN's flash attention), not head_dim={lcfg.head_dim} (dim="
-                    f"{lcfg.dim} // n_heads={lcfg.n_heads}); change model.overrides dim or n_heads, or set "
-                    f"attention_impl 'auto' or 'xla' (XLA's attention)")
+  from fp4jax.nn.llama.layers import check_cudnn_head_dim
+  try:
+    check_cudnn_head_dim(lcfg.head_dim, "model.overrides.attention_impl='cudnn'")
+  except ValueError as err:
+    raise UserError(f"{err} (dim={lcfg.dim} // n_heads={lcfg.n_heads}); change model.overrides dim or n_heads, or "
+                    f"set attention_impl 'auto' or 'xla' (XLA's attention)") from err
 
 
 def check_impl(impl, routes, what: str) -> None:

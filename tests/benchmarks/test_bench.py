@@ -228,6 +228,26 @@ def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypat
   assert not os.listdir(tmp_path)  # a refused command makes no folder (--hlo x made x while parsing)
 
 
+@pytest.mark.parametrize("dim, hopper", [(528, True), (200, True), (272, False)])
+def test_step_cudnn_attention_with_a_head_dim_it_does_not_take_is_one_line(monkeypatch, capsys, dim, hopper):
+  """`bench step --attention cudnn` refuses a head dim cuDNN's flash attention does not take (a multiple of 8 up
+  to 128, 256 from Hopper on) as train does: its first step failed when traced. Here the backend only says it is
+  a GPU of the given kind, and a preset of that head dim (dim // 2 heads) stands in."""
+  from fp4jax.nn.llama import config, layers  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(layers.cudnn_attention, "check_compute_capability", lambda capability: hopper)
+  monkeypatch.setattr(step.build, "check_impl", lambda *a: None)  # the CPU's kernels, which a GPU's check refuses
+  monkeypatch.setitem(config.PRESETS, "wide", dataclasses.replace(config.PRESETS["tiny"], dim=dim, n_heads=2,
+                                                                  n_kv_heads=1))
+  argv = ["--compile-cache", "off", "step", "--preset", "wide", "--tokens", "2x16", "--attention", "cudnn",
+          "--routes", "bf16"]
+  assert main(argv) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"python -m bench step: error: bench step: --attention cudnn takes a head_dim that is a multiple of 8 "
+      f"up to {256 if hopper else 128} on this GPU (cuDNN's flash attention), not head_dim={dim // 2} "
+      f"(preset wide: dim={dim} // n_heads=2); use --attention auto or xla")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["step", "--routes", "bf16", "fp3"], "argument --routes: unknown route 'fp3'; routes: bf16, "),
     (["dot", "--routes", "flax_fp8"], "argument --routes: unknown route 'flax_fp8'"),  # a step baseline only

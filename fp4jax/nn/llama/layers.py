@@ -153,9 +153,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | No
   (`_cudnn_attention`).
   """
   if implementation == "auto":
-    head_dim = q.shape[-1]
-    cudnn_takes = q.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-    if platform.compiles_for_gpu() and cudnn_takes and head_dim <= cudnn_head_dim_max():
+    if platform.compiles_for_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_takes_head_dim(q.shape[-1]):
       try:
         return _cudnn_attention(q, k, v, layer)
       except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -177,6 +175,21 @@ def cudnn_head_dim_max() -> int:
   GPU program is compiled on a machine without one (`platform.compiles_for_gpu` through an abstract mesh) no
   capability can be read, and it is the conservative 128, as JAX's check of the call is there."""
   return 256 if cudnn_attention.check_compute_capability("9.0") else 128
+
+
+def cudnn_takes_head_dim(head_dim: int) -> bool:
+  """Whether cuDNN's flash attention (bf16/f16) takes `head_dim`: a multiple of 8 up to `cudnn_head_dim_max()`.
+  The rule `attention` "auto" goes by and `check_cudnn_head_dim` refuses "cudnn" by."""
+  return head_dim % 8 == 0 and head_dim <= cudnn_head_dim_max()
+
+
+def check_cudnn_head_dim(head_dim: int, what: str) -> None:
+  """A ValueError starting with `what` (the setting that asks for cuDNN's attention) where cuDNN's flash
+  attention does not take `head_dim` (`cudnn_takes_head_dim`): train and bench check implementation "cudnn"
+  before any work, where its first call would fail only when traced."""
+  if not cudnn_takes_head_dim(head_dim):
+    raise ValueError(f"{what} takes a head_dim that is a multiple of 8 up to {cudnn_head_dim_max()} on this GPU "
+                     f"(cuDNN's flash attention), not head_dim={head_dim}")
 
 
 def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: int) -> jax.Array:
