@@ -28,6 +28,7 @@ from fp4jax import route as route_lib
 from fp4jax.dot import fp4_dot, padding_multiples
 from fp4jax.numerics import prng
 from fp4jax.numerics.hadamard import hadamard
+from fp4jax.numerics.ints import is_int
 from fp4jax.numerics.qtensor import QTensor
 from fp4jax.numerics.reference import decode_scales, dequantize
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
@@ -199,7 +200,7 @@ def operand_report(x, w, dy, route: str | Route, key: jax.Array | None = None, *
     means the GEMM is biased; for an unbiased one the two agree to within sampling noise.
   """
   route = route_lib.get(route)
-  if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 1:
+  if not is_int(samples) or samples < 1:
     raise ValueError(f"samples must be an int >= 1, got {samples!r}")
   samples = int(samples)  # a NumPy int too (np.arange's), reported as a plain int (the rows go to JSON)
   x, w, dy = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))

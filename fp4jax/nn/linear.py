@@ -15,7 +15,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -23,6 +22,7 @@ from fp4jax import route as route_lib
 from fp4jax.dot import check_out_dtype, fp4_dot, padding_multiples
 from fp4jax.impl import Impl
 from fp4jax.numerics import prng
+from fp4jax.numerics.ints import is_int
 from fp4jax.numerics.produced import Produced
 from fp4jax.numerics.spec import float_dtype
 from fp4jax.route import Route
@@ -75,7 +75,7 @@ class FP4Linear(nnx.Module):
       rngs: nnx.Rngs,
   ):
     for name, size in (("in_features", in_features), ("out_features", out_features)):
-      if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
+      if not is_int(size) or size < 1:
         raise ValueError(f"FP4Linear's {name} takes an int >= 1, got {size!r}")
     in_features, out_features = int(in_features), int(out_features)  # NumPy ints too (a shape's entries)
     float_dtype(param_dtype, "FP4Linear's param_dtype=")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax.numerics import ieee, prng
+from fp4jax.numerics.ints import is_int
 
 D16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -55,7 +56,7 @@ def _kind(kind: str) -> HadamardKind:
 def _check_int(value, what: str) -> None:
   """A TypeError naming `what` (the argument and what it takes) unless `value` is a Python or NumPy integer; a
   bool is none (True would silently be 1), nor a float or a string (they fail deep inside, naming no argument)."""
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+  if not is_int(value):
     raise TypeError(f"{what}, got {value!r}")
 
 

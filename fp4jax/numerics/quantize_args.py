@@ -12,6 +12,7 @@ import numpy as np
 
 from fp4jax.numerics import prng
 from fp4jax.numerics.formats import FormatSpec
+from fp4jax.numerics.ints import is_int
 from fp4jax.numerics.spec import EDEN_GROUP, ROUNDINGS, SCALE_RULES, check_clip_fraction_type, default_scale_rule
 
 
@@ -34,7 +35,7 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
     raise TypeError(f"quantize takes an array, got a {type(x).__name__} (wrap it in jnp.asarray)")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize needs a floating-point input, got {x.dtype=}")
-  if not _is_int(axis):
+  if not is_int(axis):
     raise TypeError(f"quantize's axis must be an int, got {axis!r}")
   if rounding not in ROUNDINGS:
     raise ValueError(f"unknown {rounding=}; valid roundings: {tuple(ROUNDINGS)}")
@@ -83,16 +84,11 @@ def check(x, spec: FormatSpec, axis, rounding, key, scale_rule, tile_2d, clip_fr
   check_clip_fraction_type(clip_fraction, "quantize's ")
   if clip_fraction is not None and not 0 < clip_fraction <= 1:
     raise ValueError(f"{clip_fraction=} must lie in (0, 1]")
-  if not _is_int(tile_rows):  # 2.5 or True would silently mean 2 or 1 rows
+  if not is_int(tile_rows):  # 2.5 or True would silently mean 2 or 1 rows
     raise TypeError(f"quantize's tile_rows takes an int, got {tile_rows!r}")
   if tile_rows < 1:
     raise ValueError(f"{tile_rows=} must be positive")
   return Cfg(spec, axis, rounding, scale_rule, bool(tile_2d), clip_fraction, int(tile_rows))
-
-
-def _is_int(v) -> bool:
-  """A Python or NumPy integer, not a bool."""
-  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def amax_value(tensor_amax) -> jax.Array:
