@@ -65,8 +65,11 @@ def sigterm_raises(*, enabled: bool = True):
   next bytecode: a long call into C that holds the main thread (compiling a state's initialization, a native
   tokenizer's file) ends first; a second SIGTERM ends the process at once. `StopRequest` takes SIGTERM over inside
   the steps. `enabled=False` (several processes), or entering it outside the main thread, installs nothing; the
-  handler in place before is restored on exit."""
-  if not enabled or threading.current_thread() is not threading.main_thread():
+  handler in place before is restored on exit. Inside another `sigterm_raises` (`train.study` around each run's
+  `train.run_all`) it changes nothing: the outer one restores SIGTERM, so that one a stop request or a first SIGTERM
+  gave its default action keeps it until then."""
+  if (not enabled or threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGTERM) is _raise_terminated):
     yield
     return
   previous = signal.signal(signal.SIGTERM, _raise_terminated)

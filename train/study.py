@@ -301,26 +301,28 @@ def run_study(study: Study, runs: list[Run], *, log: TextIO = sys.stderr) -> lis
   log.write(f"[study] {len(study.runs)} runs, {sum(os.path.exists(study.record_path(r)) for r in study.runs)} "
             f"recorded; running {len(todo)} of the {len(runs)} selected: {[r.key for r in todo]}\n")
   failed = []
-  for r in todo:
-    if jax.process_index() == 0 and os.path.isdir(r.cfg.run.out_dir):  # a missing one holds nothing to set aside
-      held = lock.RunLock(r.cfg.run.out_dir, log=log)  # not under a run of it going on now
-      held.acquire()
+  # SIGTERM between and around the runs too (the LOCK held for clear_scratch) is handled as Ctrl-C is, as in run_all
+  with interrupt.sigterm_raises(enabled=jax.process_count() == 1):
+    for r in todo:
+      if jax.process_index() == 0 and os.path.isdir(r.cfg.run.out_dir):  # a missing one holds nothing to set aside
+        held = lock.RunLock(r.cfg.run.out_dir, log=log)  # not under a run of it going on now
+        held.acquire()
+        try:
+          clear_scratch(r, log=log)
+        finally:  # a LOCK made here goes: run_all takes its own, and removes it again if it refuses the run
+          held.release(remove=True)
+      if jax.process_count() > 1:  # every process finds the scratch directory as the first left it
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"study scratch {r.key}")
       try:
-        clear_scratch(r, log=log)
-      finally:  # a LOCK made here goes: run_all takes its own, and removes it again if it refuses the run
-        held.release(remove=True)
-    if jax.process_count() > 1:  # every process finds the scratch directory as the first left it
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices(f"study scratch {r.key}")
-    try:
-      row, status = train.run_all(r.cfg, log=log)[0], "ok"
-    except progress.NonFiniteLossError as e:
-      row, status = {}, str(e)
-      failed.append(r.key)
-    if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(study.record_path(r)), exist_ok=True)
-      metrics.write_json(study.record_path(r), record(study, r, row, status, device_name(jax)))
-      log.write(f"[study] recorded {study.record_path(r)} ({status})\n")
+        row, status = train.run_all(r.cfg, log=log)[0], "ok"
+      except progress.NonFiniteLossError as e:
+        row, status = {}, str(e)
+        failed.append(r.key)
+      if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(study.record_path(r)), exist_ok=True)
+        metrics.write_json(study.record_path(r), record(study, r, row, status, device_name(jax)))
+        log.write(f"[study] recorded {study.record_path(r)} ({status})\n")
   return failed
 
 

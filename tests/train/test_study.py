@@ -9,6 +9,7 @@ import os
 import pathlib
 import statistics
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -298,6 +299,24 @@ def test_a_refused_run_leaves_its_scratch_directory_as_it_found_it(tmp_path):
     assert study.main(["--config", path, "--only", key, *too_few]) == EXIT_USER_ERROR
   assert os.listdir(scratch / "bf16-seed0") == ["LOCK"] and os.listdir(scratch / "bf16-seed1") == []
   assert sorted(os.listdir(scratch)) == ["bf16-seed0", "bf16-seed1"]
+
+
+def test_sigterm_while_the_study_holds_a_scratch_lock_leaves_no_lock(tmp_path):
+  """SIGTERM while the study holds a run's scratch LOCK to set its contents aside (`clear_scratch`), outside any
+  `train.run_all`: handled as Ctrl-C is, the LOCK it made removed, one line, exit status 143 (SIGTERM's default
+  action ended the process there and left the LOCK behind). A process of its own: that action would end pytest."""
+  path = _study_file(tmp_path)
+  scratch = tmp_path / "scratch" / "bf16-seed0"
+  scratch.mkdir(parents=True)  # a run cut short before it wrote anything: its folder stays, empty
+  code = ("import os, signal, sys; from train import study; "
+          "study.clear_scratch = lambda run, log: os.kill(os.getpid(), signal.SIGTERM); "
+          "sys.exit(study.main(sys.argv[1:]))")
+  done = subprocess.run([sys.executable, "-c", code, "--config", path, "--only", "bf16:0"], capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert done.returncode == 143, (done.returncode, done.stderr)
+  assert done.stderr.splitlines()[-1] == ("python -m train.study: stopped by SIGTERM outside the training steps: no "
+                                          "checkpoint was written (what earlier steps and routes saved is kept)")
+  assert os.listdir(scratch) == [] and not (tmp_path / "results" / "runs" / "bf16-seed0.json").exists()
 
 
 def test_a_finished_run_without_its_log_is_not_recorded_as_ok(tmp_path, monkeypatch):

@@ -354,6 +354,12 @@ def test_sigterm_raises_once_and_keeps_its_default_action_after_a_stop_request()
       stop._handle(signal.SIGTERM, None)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
   assert signal.getsignal(signal.SIGTERM) == before
+  with interrupt.sigterm_raises():  # nested (train.study's around train.run_all's): the outer one restores SIGTERM
+    with interrupt.sigterm_raises():
+      with interrupt.StopRequest("x") as stop:
+        stop._handle(signal.SIGTERM, None)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # not raising again while the stopped run winds down
+  assert signal.getsignal(signal.SIGTERM) == before
   with interrupt.sigterm_raises(enabled=False):
     assert signal.getsignal(signal.SIGTERM) == before
 
