@@ -84,7 +84,9 @@ class StopRequest:
 
   `enabled=False` (several processes), or entering it outside the main thread, installs nothing: `signum` then
   stays None. The handlers that were in place before are restored on exit, but for `sigterm_raises`'s once a signal
-  came: SIGTERM then keeps its default action while the stopped run winds down (its checkpoint's write).
+  came: SIGTERM then keeps its default action while the stopped run winds down. The stopped run's checkpoint is
+  written inside (`train.run` waits for it before raising `Interrupted`): after the exit a second Ctrl-C would
+  raise KeyboardInterrupt again, taken for a stop outside the steps while Orbax's threads still wrote.
   """
 
   def __init__(self, label: str, *, enabled: bool = True):

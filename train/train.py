@@ -238,7 +238,8 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
                   f"[{label}] state is non-finite after step {done} (whose loss was finite); stopped before "
                   f"saving it. {progress.last_good(ckpt)}")
             ckpt.save(done, ts.state, {**it.state(), **rec.saved()})
-          if stop.signum is not None:
+          if stop.signum is not None:  # written before the handlers are restored: a second signal ends it at once
+            ckpt.wait()
             raise interrupt.Interrupted(stop.signum, label, done, ckpt.directory)
   finally:
     bar.close()

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import yaml
 from flax import nnx
 
 import cpu_devices
@@ -263,6 +264,58 @@ def test_a_stop_signal_saves_the_step_in_flight_and_the_rerun_resumes_it(tmp_pat
               for r in metrics.read_jsonl(os.path.join(d, "metrics.jsonl"))] for d in (cut.run.out_dir,
                                                                                       cfg.run.out_dir)]
   assert untimed[0] == untimed[1]
+
+
+def test_a_second_ctrl_c_while_the_stopped_run_writes_its_checkpoint_ends_it_at_once(tmp_path, capsys):
+  """Ctrl-C during step 3 (step 2 checkpointed before), then a second one while the process waits for step 3's
+  write: the process ends at once, no traceback, as the first one's message says. It raised KeyboardInterrupt
+  there: one line said no checkpoint was written, and the process left through the interpreter's shutdown, under
+  which Orbax's writer threads failed in pages of tracebacks. Step 2 stays intact, and the same command resumes
+  from the newest finished step with the losses of an uninterrupted run. A process of its own: the second signal's
+  default action would end pytest."""
+  cfg = _corpus_cfg(tmp_path, "run.ckpt_every=2")
+  full = train.run_all(config.replace(cfg, run={"out_dir": str(tmp_path / "full")}))[0]
+  path = tmp_path / "run.yaml"
+  path.write_text(yaml.safe_dump(config.to_dict(cfg)))
+  code = textwrap.dedent("""
+      import os, signal, sys
+      import orbax.checkpoint as ocp
+      from train import checkpoint, data, interrupt
+      from train.main import main
+      draw, save = data.WindowIterator.__next__, checkpoint.Checkpointer.save
+      wait = ocp.CheckpointManager.wait_until_finished
+      drawn, saved = [], []
+
+      def next_batch(self):
+        drawn.append(None)
+        if len(drawn) == 3:
+          os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C, during step 3
+        return draw(self)
+
+      def saving(self, step, *args):
+        save(self, step, *args)
+        saved.append(step)
+
+      def waiting(self):
+        if 3 in saved:  # step 3's write in flight (Orbax's save also waits, for the step before)
+          os.kill(os.getpid(), signal.SIGINT)
+        return wait(self)
+
+      data.WindowIterator.__next__, checkpoint.Checkpointer.save = next_batch, saving
+      ocp.CheckpointManager.wait_until_finished = waiting
+      interrupt.exit_process(main(sys.argv[1:]))
+      """)
+  done = subprocess.run([sys.executable, "-c", code, "--config", str(path)], capture_output=True, text=True,
+                        timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+  assert done.returncode == -signal.SIGINT and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+  ckpt = os.path.join(cfg.run.out_dir, "ckpt")
+  steps = checkpoint.saved_steps(ckpt)
+  assert steps in ([2], [2, 3]), steps  # step 3 finished or not, as far as its write got
+  capsys.readouterr()
+  (resumed,) = train.run_all(cfg)
+  assert "damaged" not in capsys.readouterr().err
+  assert resumed["losses"] == {s: full["losses"][s] for s in range(steps[-1] + 1, 9)}  # bit-identical
+  assert resumed["eval_loss"] == full["eval_loss"]
 
 
 # The two forms a full disk takes while a step is written: Python's OSError (the JSON item, Orbax's metadata),
