@@ -128,8 +128,12 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 2, log: TextIO | None = None):
     self.directory = os.path.abspath(directory)
     self.log = sys.stderr if log is None else log  # the stderr of now, not of the import
+    # cleanup_tmp_directories: a write that a killed process left unfinished (`<step>.orbax-checkpoint-tmp`, as
+    # large as a step) is deleted when the run resumes; Orbax renames a step into place only once it is whole, so
+    # nothing finished goes. Safe because a Checkpointer opens only a run's own directory under its LOCK.
     self._mgr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
     logging.getLogger("absl").addFilter(_DROP_FULL_DISK_LOGS)  # once: the same filter is not added twice
     self._full = False  # a full disk was reported (`_writing`): `close` does not report it again

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -76,6 +77,23 @@ def test_damaged_newest_step_falls_back_to_an_intact_one(tmp_path, damage):
   assert "resuming from step 1, the newest intact one" in log.getvalue()
   assert checkpoint.saved_steps(directory) == [1]  # step 2 set aside, out of the resumed run's way
   assert os.listdir(directory + "-damaged")[0].startswith("2-")
+
+
+def test_a_write_left_unfinished_is_deleted_when_the_run_resumes(tmp_path):
+  """A process killed while Orbax wrote step 3 leaves `3.orbax-checkpoint-tmp` (a partial step, as large as a
+  whole one): the resumed run deletes it and restores step 2; the finished steps stay."""
+  directory = str(tmp_path / "ckpt")
+  _, new = _save_two(directory)
+  unfinished = os.path.join(directory, "3.orbax-checkpoint-tmp")
+  shutil.copytree(os.path.join(directory, "2"), unfinished)
+  _truncate(unfinished)
+  ckpt = checkpoint.Checkpointer(directory, log=io.StringIO())
+  state, data_state, step = ckpt.restore(_state(3))
+  ckpt.close()
+  assert step == 2 and data_state == {"position": 2}
+  for got, want in zip(_leaves(state), _leaves(new)):
+    np.testing.assert_array_equal(got, want)
+  assert sorted(os.listdir(directory)) == ["1", "2"] and checkpoint.saved_steps(directory) == [1, 2]
 
 
 def test_no_intact_step_is_one_line_naming_it(tmp_path):
