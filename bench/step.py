@@ -28,7 +28,7 @@ GEMM instructions (with their shapes) and copied instructions that took the most
 `top_copies` in the JSON; the first five kernels per route are printed). With bf16 profiled too, each other route
 gets a line (and `against_bf16` in the JSON, `breakdown.against_bf16`): its step with bf16's time for everything
 but its GEMMs, the "x bf16" that would give, and what its step spends over that (quantizers, FP4 glue, copies, the
-rest). The profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
+rest); none (null) where the profile and the timing disagree too much for a bound (a loaded machine). The profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -303,11 +303,16 @@ def _table(rows: list[dict]) -> str:
       lines.append(f"{r['route']:18s} " + " ".join(f"{b[c] * 1e3:13.2f}" for c in cats)
                    + f" {sum(b.values()) * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
     for r in profiled:
-      if "against_bf16" in r:
-        a = r["against_bf16"]
-        parts = ", ".join(f"{name} {s * 1e3:.1f}" for name, s in a["overhead_parts_s"].items())
-        lines.append(f"{r['route']}: with bf16's time for all but its GEMMs {a['bound_s'] * 1e3:.1f} ms, "
-                     f"{a['bound_x']:.2f}x bf16; the {a['overhead_s'] * 1e3:.1f} ms over that: {parts}")
+      if "against_bf16" not in r:
+        continue
+      a = r["against_bf16"]
+      if a is None:
+        lines.append(f"{r['route']}: no bound against bf16: the profiled GEMMs do not fit in bf16's timed step "
+                     f"(noisy runs: a loaded machine, or too few --iters)")
+        continue
+      parts = ", ".join(f"{name} {s * 1e3:.1f}" for name, s in a["overhead_parts_s"].items())
+      lines.append(f"{r['route']}: with bf16's time for all but its GEMMs {a['bound_s'] * 1e3:.1f} ms, "
+                   f"{a['bound_x']:.2f}x bf16; the {a['overhead_s'] * 1e3:.1f} ms over that: {parts}")
     for r in profiled:
       lines.append(f"top kernels, {r['route']} (ms per step): " + "; ".join(
           f"{kernel[:48]} [{category}] {s * 1e3:.2f}" for category, kernel, s in r["top_kernels"][:5]))

@@ -556,6 +556,9 @@ def test_against_bf16_is_the_step_with_bf16s_time_for_all_but_the_gemms():
   assert a["overhead_s"] == pytest.approx(0.0559)
   parts = {k: round(v * 1e3, 6) for k, v in a["overhead_parts_s"].items()}
   assert parts == {"quantizers": 30.0, "fp4 glue": 20.7, "copies": 13.2, "rest": -8.0}
+  # Timed and profiled in separate runs: on a loaded machine bf16's profiled GEMMs can exceed its timed step, and
+  # the bound would be meaningless (it printed -1.42x in a CI run): none then.
+  assert breakdown.against_bf16(mxfp4, 0.2085, bf16, 0.0700) is None
 
 
 def test_step_flops_per_token_is_6n_plus_attention():
@@ -581,13 +584,15 @@ def test_bench_step_runs_and_profiles(tmp_path, capsys):
     assert 0 < len(r["top_kernels"]) <= 3 and len(r["top_gemms"]) <= 3 and len(r["top_copies"]) <= 3
     assert sum(s for _, _, s in r["top_kernels"]) <= sum(r["breakdown_s"].values()) + 1e-9
   assert rows[0]["breakdown_s"]["fp4 glue"] == 0 < rows[1]["breakdown_s"]["fp4 glue"]
-  assert "against_bf16" not in rows[0] and rows[1]["against_bf16"]["bound_x"] > 0
+  bound = rows[1]["against_bf16"]  # None where this machine's load made the profile and the timing disagree
+  assert "against_bf16" not in rows[0] and (bound is None or bound["bound_x"] > 0)
   hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
   assert hlo == ["tiny_2l_2x32_unrolled_bf16.hlo.txt", "tiny_2l_2x32_unrolled_mxfp4.hlo.txt"]
   assert "ENTRY" in (tmp_path / "hlo" / hlo[1]).read_text()
   printed = capsys.readouterr().out
   assert "x bf16" in printed and "ms per step" in printed and "top kernels, mxfp4" in printed
-  assert "mxfp4: with bf16's time for all but its GEMMs" in printed
+  line = "mxfp4: no bound against bf16: " if bound is None else "mxfp4: with bf16's time for all but its GEMMs"
+  assert line in printed
 
 
 def test_scan_auto_runs_each_route_as_training_does(tmp_path, capsys):
