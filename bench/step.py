@@ -28,7 +28,8 @@ GEMM instructions (with their shapes) and copied instructions that took the most
 `top_copies` in the JSON; the first five kernels per route are printed). With bf16 profiled too, each other route
 gets a line (and `against_bf16` in the JSON, `breakdown.against_bf16`): its step with bf16's time for everything
 but its GEMMs, the "x bf16" that would give, and what its step spends over that (quantizers, FP4 glue, copies, the
-rest); none (null) where the profile and the timing disagree too much for a bound (a loaded machine). The profile runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
+rest); none (null) where the profile and the timing disagree too much for a bound (a loaded machine). The profile
+runs a second compile of the step with XLA's command buffers off (`PROFILE_OPTIONS`).
 """
 
 from __future__ import annotations
