@@ -368,6 +368,15 @@ def split_heldout(tokens: np.ndarray, eos_id: int, fraction: float) -> tuple[np.
   return tokens[:cut], tokens[cut:]
 
 
+WINDOW_DTYPE = np.int32  # what the steps read, whatever the corpus' storage dtype
+
+
+def batch_shape(seq_len: int, batch_size: int) -> tuple[int, int]:
+  """The shape of a batch of windows, train (`WindowIterator`) or held-out (`eval_windows`): batch_size windows of
+  seq_len + 1 tokens, the inputs and, one further, each one's next-token target."""
+  return batch_size, seq_len + 1
+
+
 class WindowIterator:
   """Shuffled non-overlapping [batch, seq_len + 1] int32 windows; state = {"position": batches consumed}."""
 
@@ -390,7 +399,7 @@ class WindowIterator:
     g = position * self.batch_size + np.arange(self.batch_size)
     starts = np.array([self._permutation(int(e))[i] for e, i in zip(g // self.n_windows, g % self.n_windows)])
     starts *= self.seq_len
-    return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], np.int32) for s in starts])  # [B, T+1]
+    return np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], WINDOW_DTYPE) for s in starts])  # [B, T+1]
 
   def __iter__(self) -> Iterator[np.ndarray]:
     return self
@@ -439,7 +448,7 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: i
     raise UserError(f"the held-out split has {len(tokens):,} tokens, not one batch of data.batch_size={batch_size} "
                     f"x (data.seq_len={seq_len} + 1); raise data.eval_fraction, add data.eval_sources or lower "
                     f"data.seq_len / data.batch_size")
-  return [np.stack([np.asarray(tokens[s:s + seq_len + 1], np.int32)
+  return [np.stack([np.asarray(tokens[s:s + seq_len + 1], WINDOW_DTYPE)
                     for s in (b * batch_size + np.arange(batch_size)) * seq_len]) for b in range(n)]
 
 

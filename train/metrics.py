@@ -217,9 +217,9 @@ def _fmt_bytes(n: float | None) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """Markdown table of per-route results (`train.train.run` rows): train loss = mean of the last 10 steps,
-  held-out loss after the last step, tok/s over the train steps after the first (compile) step, the time of
-  the first call of the train step (tracing and compiling, `compile_ticker`), and the wall time of that first
-  step (compilation and its run).
+  held-out loss after the last step, tok/s over the train steps after the first (compile) step, the train
+  step's compile (tracing, lowering and XLA: `progress.CompiledOnFirstCall`), and the wall time from the route's
+  set-up (its state initialized while the step compiles) to the end of its first step.
   """
   lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
   for r in rows:

@@ -24,26 +24,80 @@ class NonFiniteLossError(RuntimeError):
 
 
 class CompiledOnFirstCall:
-  """`jitted(*args, *bound)`, compiled on the first call by `fp4jax.compiling.compile_program` (the Pallas kernels
-  alone and in parallel first, on `threads`, kept in `directory`; threads=0 compiles as jax.jit does), then
-  run as that compiled program. Later calls must pass arguments of the first call's shapes and shardings, as a
-  training loop does. It is traced under `mesh` (`jax.set_mesh`), so that fp4_dot's quantizers run on each
-  device's own tokens (`fp4jax.Impl.token_axes`)."""
+  """`jitted(*args, *bound)`, compiled by `fp4jax.compiling.compile_program` (the Pallas kernels alone and in
+  parallel first, on `threads`, kept in `directory`; threads=0 compiles as jax.jit does), then run as that
+  compiled program. It is traced under `mesh` (`jax.set_mesh`), so that fp4_dot's quantizers run on each
+  device's own tokens (`fp4jax.Impl.token_axes`).
+
+  The compile happens on the first call, or earlier on a worker thread (`compile_ahead`, for arguments given
+  as ShapeDtypeStructs with their shardings), while the caller does other work; the first call then waits for
+  it. A call whose arguments differ from those compiled for (shapes, dtypes, shardings, tree) compiles for its
+  own, as a training loop's calls do not. `started`: when the latest compile began (`time.time()`), `compile_s`:
+  the seconds it took (tracing, lowering and XLA); None before.
+  """
 
   def __init__(self, jitted, *bound, threads: int | None, directory, mesh: Mesh):
     self.jitted, self.bound, self.threads, self.directory, self.mesh = jitted, bound, threads, directory, mesh
-    self.compiled = self.report = None
+    self.compiled = self.report = self.compile_s = self.started = self._signature = None
+    self._ahead: threading.Event | None = None  # set when a compile started by `compile_ahead` has ended
+    self._ahead_error: BaseException | None = None
+
+  def compile(self, *args) -> None:
+    """Compiles for `args` (arrays, or ShapeDtypeStructs with shardings) on this thread."""
+    from fp4jax import compiling
+    t0 = self.started = time.time()
+    with jax.set_mesh(self.mesh):
+      compiled, report = compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
+                                                   directory=self.directory)
+    self.compiled, self.report, self._signature = compiled, report, _signature(args)
+    self.compile_s = time.time() - t0
+
+  @staticmethod
+  def compile_ahead(jobs: list[tuple[CompiledOnFirstCall, tuple]]) -> None:
+    """Compiles each (program, args) of `jobs` in turn on one worker thread (a daemon) and returns at once: the
+    caller goes on (initializing the state, reading data) while XLA compiles, and each program's first call (or
+    `wait`) waits for its own. An error is raised by that program's first call; the programs after it are
+    compiled by their own first calls."""
+    done = [threading.Event() for _ in jobs]
+    for (program, _), event in zip(jobs, done):
+      program._ahead = event
+
+    def run():
+      for i, (program, args) in enumerate(jobs):
+        try:
+          program.compile(*args)
+        except BaseException as err:  # pylint: disable=broad-except  # raised by the program's first call
+          program._ahead_error = err
+          for event in done[i:]:
+            event.set()
+          return
+        done[i].set()
+
+    threading.Thread(target=run, name="fp4jax-compile-ahead", daemon=True).start()
+
+  def wait(self) -> None:
+    """Returns once a compile started ahead has ended (at once if none was started); raises its error. Waits in
+    short joins, so that a signal is handled at once (`on_worker_thread`)."""
+    ahead, self._ahead = self._ahead, None
+    if ahead is not None:
+      while not ahead.wait(0.2):
+        pass
+      error, self._ahead_error = self._ahead_error, None
+      if error is not None:
+        raise error
 
   def __call__(self, *args):
-    if self.compiled is None:
-      from fp4jax import compiling
-
-      def compile_():
-        with jax.set_mesh(self.mesh):
-          return compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
-                                           directory=self.directory)
-      self.compiled, self.report = on_worker_thread(compile_)
+    self.wait()
+    if self.compiled is None or _signature(args) != self._signature:
+      on_worker_thread(lambda: self.compile(*args))
     return self.compiled(*args, *self.bound)
+
+
+def _signature(args) -> tuple:
+  """What a compiled program is specific to: the tree of `args` and each leaf's shape, dtype and sharding (None
+  for an abstract leaf without one)."""
+  leaves, tree = jax.tree.flatten(args)
+  return tree, tuple((np.shape(x), getattr(x, "dtype", None), getattr(x, "sharding", None)) for x in leaves)
 
 
 def on_worker_thread(fn: Callable[[], Any], poll: float = 0.2) -> Any:
@@ -77,12 +131,13 @@ class StepRecorder:
   The last `TAIL` losses, the open log window and the timed steps and seconds so far go into each checkpoint
   (`saved`, `resume`), so a resumed run reports and logs the numbers an uninterrupted one would, and its
   throughput covers every process's timed steps (also when it resumes at the final step and runs none).
+  `first_step_s` is the wall time from `started` (the route's set-up; default: now) to the first step's end.
   """
 
   TAIL = 10  # the table's train loss: the mean of the last TAIL step losses
 
   def __init__(self, cfg: config_lib.Config, label: str, ckpt: checkpoint.Checkpointer,
-               log: metrics.MetricsLogger | None, bar: metrics.ProgressBar):
+               log: metrics.MetricsLogger | None, bar: metrics.ProgressBar, *, started: float | None = None):
     self.cfg, self.label, self.ckpt, self.log, self.bar = cfg, label, ckpt, log, bar
     self.schedule = lr_schedule(cfg.optim, cfg.run.steps)
     float(self.schedule(0))  # its eager jnp ops compiled now, not in the first logged step (0.78 s on an H100)
@@ -92,7 +147,7 @@ class StepRecorder:
     self.rate = 0.0
     self._window: list[float] = []
     self._t_first: float | None = None
-    self.t_start = time.time()  # before the first step's dispatch (which compiles the step)
+    self.t_start = time.time() if started is None else started  # the first step's wall time counts from here
     self.first_step_s: float | None = None
     self.compile_s: float | None = None  # the first call of the train step (this process's, else a checkpoint's)
     self._n_timed, self._pause_s, self._timed_s = 0, 0.0, 0.0
@@ -157,15 +212,19 @@ class StepRecorder:
 
 
 @contextlib.contextmanager
-def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0):
-  """While inside (the first call of the train step: tracing and XLA compilation), prints a plain line every
-  `every` seconds so a long compile is not silence; yields a function returning the seconds spent inside."""
+def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0, since: float | None = None,
+                   took: Callable[[], float | None] | None = None):
+  """While inside (the first call of the train step, which waits for its compile), prints a plain line every
+  `every` seconds so a long compile is not silence; yields a function returning the seconds spent inside.
+  since: when the compile began (`time.time()`; default: on entry), for the lines' seconds; took: the compile's
+  own seconds once it ended, for the last line (default: the seconds inside)."""
   t0 = time.time()
+  start = t0 if since is None else since
   stop = threading.Event()
 
   def tick():
     while not stop.wait(every):
-      print(f"[{label}] compiling the train step: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+      print(f"[{label}] compiling the train step: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
 
   thread = threading.Thread(target=tick, daemon=True)
   if enabled:
@@ -181,7 +240,8 @@ def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0):
     stop.set()
     if enabled:
       thread.join()
-      print(f"[{label}] {ended} {elapsed[0]:.1f} s", file=sys.stderr, flush=True)
+      seconds = (took() if took is not None else None) if ended.endswith("in") else None
+      print(f"[{label}] {ended} {elapsed[0] if seconds is None else seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 def last_good(ckpt: checkpoint.Checkpointer) -> str:

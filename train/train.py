@@ -36,6 +36,7 @@ import math
 import os
 import resource
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -62,7 +63,12 @@ class TrainState:
   all_finite: Any
 
 
-def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> TrainState:
+def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh, *,
+                     compile_ahead: tuple[bool, bool] = (False, False)) -> TrainState:
+  """The model and optimizer state, initialized, and the jitted steps. compile_ahead (train step, eval step):
+  those compiled on a worker thread from the start, one after the other, for the arguments a run passes, while
+  the state initializes here (and the run goes on); their first calls wait for them
+  (`progress.CompiledOnFirstCall.compile_ahead`)."""
   from fp4jax import platform
   lcfg = build.llama_config(cfg, vocab_size)
   tx = objective.make_tx(cfg.optim, cfg.run.steps)
@@ -73,8 +79,6 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
 
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
   shardings = nnx.get_named_sharding(abstract, mesh)
-  with jax.set_mesh(mesh):
-    state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
   # The keys are arguments of the jitted steps, not constants inside them: a constant key would make the
   # program, and so its persistent-cache entry, differ per run.seed (a study's second seed compiled afresh).
   base_key = jax.random.key(cfg.run.seed)
@@ -98,13 +102,21 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh) -> Tra
   # (state, batch, step) and (state, batch)
   train_step = progress.CompiledOnFirstCall(keyed_train_step, base_key, threads=threads, directory=kernels, mesh=mesh)
   eval_step = progress.CompiledOnFirstCall(keyed_eval_step, eval_key, threads=threads, directory=kernels, mesh=mesh)
+  batch_sharding = NamedSharding(mesh, P(build.MESH_AXES, None))
+  if any(compile_ahead):  # the state as the initializer below returns it, a batch as `data` windows it
+    state_spec = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    batch_spec = jax.ShapeDtypeStruct(data.batch_shape(cfg.data.seq_len, cfg.data.batch_size), data.WINDOW_DTYPE,
+                                      sharding=batch_sharding)
+    jobs = [(train_step, (state_spec, batch_spec, jnp.int32(0))), (eval_step, (state_spec, batch_spec))]
+    progress.CompiledOnFirstCall.compile_ahead([job for job, ahead in zip(jobs, compile_ahead) if ahead])
+  with jax.set_mesh(mesh):
+    state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
 
   @jax.jit
   def all_finite(state):
     leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
-  batch_sharding = NamedSharding(mesh, P(build.MESH_AXES, None))
   return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step, all_finite)
 
 
@@ -182,8 +194,12 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
   # a refused run leaves out_dir as it found it.
   mesh = build.check_mesh(cfg)
   it, eval_batches = route_data(cfg, train_tokens, eval_tokens)
-  ts = init_train_state(cfg, vocab_size, mesh)
-  fresh = not checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))  # no log to continue: set aside below
+  t_start = time.time()  # the route's set-up: its first step's wall time counts from here
+  saved_steps = checkpoint.saved_steps(os.path.join(r.out_dir, "ckpt"))
+  # The steps compile while the state initializes (and, the eval step, while training begins); not a train step
+  # that a finished run's checkpoint leaves nothing to do for.
+  ts = init_train_state(cfg, vocab_size, mesh, compile_ahead=(not saved_steps or saved_steps[-1] < r.steps, True))
+  fresh = not saved_steps  # no log to continue: set aside below
   ckpt = checkpoint.Checkpointer(os.path.join(r.out_dir, "ckpt"))
   start, data_state = 0, {}
   if ckpt.latest_step() is not None:
@@ -199,7 +215,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
     os.replace(path + ".tmp", path)
   log = metrics.MetricsLogger(r.out_dir, label, after=start) if lead else None
   bar = metrics.ProgressBar(r.steps, label, enabled=r.progress and lead, every=r.log_every)
-  rec = progress.StepRecorder(cfg, label, ckpt, log, bar)
+  rec = progress.StepRecorder(cfg, label, ckpt, log, bar, started=t_start)
   rec.resume(data_state)
   eval_loss = None
   pending = None  # (step, loss, grad norm) of the last dispatched step, its loss not yet checked
@@ -208,10 +224,13 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
     with stop:
       for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
         batch = to_global(next(it), ts.batch_sharding)
-        if done == start + 1:  # the first call traces and compiles the step: say so while it lasts, and time it
-          with progress.compile_ticker(label, enabled=lead) as timer:
-            ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
-          rec.compile_s = timer()
+        if done == start + 1:  # the first call waits for the step's compile: say so while it lasts
+          step = ts.train_step
+          compile_s = lambda: getattr(step, "compile_s", None)  # pylint: disable=cell-var-from-loop
+          with progress.compile_ticker(label, enabled=lead, since=getattr(step, "started", None),
+                                       took=compile_s) as timer:
+            ts.state, loss, gnorm = step(ts.state, batch, jnp.int32(done - 1))
+          rec.compile_s = compile_s() or timer()
           report = getattr(ts.train_step, "report", None)
           if lead and report is not None and report.summary():
             print(f"[{label}] {report.summary()}", file=sys.stderr, flush=True)
@@ -219,6 +238,9 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
           ts.state, loss, gnorm = ts.train_step(ts.state, batch, jnp.int32(done - 1))
         if pending:  # the previous step's loss, read while this step runs: no device idle time
           rec.record(*pending)
+        if done == start + 2:  # the rest of the eval step's compile, waited for before the timed steps' Python
+          with rec.paused():
+            getattr(ts.eval_step, "wait", lambda: None)()
         pending = (done, loss, gnorm)
         if (r.eval_every and done % r.eval_every == 0) or done == r.steps:
           rec.record(*pending)

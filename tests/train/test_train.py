@@ -835,6 +835,59 @@ def test_a_signal_is_handled_while_the_first_step_compiles():
     progress.on_worker_thread(lambda: 1 / 0)
 
 
+def test_steps_compiled_ahead_are_taken_by_their_first_calls():
+  """`CompiledOnFirstCall.compile_ahead` compiles on a worker thread and returns at once; the first call waits for
+  that program and runs it; a call of other shapes compiles its own; an error comes out of the failed program's
+  first call, and the programs after it compile at theirs."""
+  mesh = build.make_mesh((1, 1), jax.devices()[:1])
+  traced = []
+
+  def program(fn):
+    def traced_fn(x, y):
+      traced.append(x.shape)  # once per trace
+      return fn(x, y)
+    return progress.CompiledOnFirstCall(jax.jit(traced_fn), jnp.float32(2), threads=0, directory=None, mesh=mesh)
+
+  double, minus = program(lambda x, y: x * y), program(lambda x, y: x - y)
+  spec = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  progress.CompiledOnFirstCall.compile_ahead([(double, (spec,)), (minus, (spec,))])
+  minus.wait()  # after double's, on the one worker
+  assert double.started <= minus.started and double.compile_s > 0 and traced == [(4,), (4,)]
+  x = jax.device_put(jnp.arange(4.0), jax.devices()[0])
+  np.testing.assert_array_equal(double(x), 2 * np.arange(4.0))
+  np.testing.assert_array_equal(minus(x), np.arange(4.0) - 2)
+  assert traced == [(4,), (4,)]  # taken, not traced again
+  np.testing.assert_array_equal(double(jnp.arange(3.0)), 2 * np.arange(3.0))
+  assert traced[-1] == (3,)
+
+  failing, after = program(lambda x, y: x @ y), program(lambda x, y: x + y)  # a matmul of a scalar: refused
+  progress.CompiledOnFirstCall.compile_ahead([(failing, (spec,)), (after, (spec,))])
+  with pytest.raises(ValueError, match="matmul input operand 1 must have ndim at least 1"):
+    failing(x)
+  np.testing.assert_array_equal(after(x), np.arange(4.0) + 2)
+
+
+def test_a_run_compiles_its_steps_while_the_state_initializes(tmp_path, monkeypatch):
+  """The train step's compile begins before the state's initializer runs, and the eval step's after it on the
+  same worker; the table's compile time is the train step's, its first step time counts from the set-up."""
+  from fp4jax import platform
+  initialized = []
+  real = platform.compile_initializer
+
+  def compile_initializer(*args, **kwargs):
+    fn = real(*args, **kwargs)
+    return lambda: (fn(), initialized.append(time.time()))[0]
+
+  monkeypatch.setattr(platform, "compile_initializer", compile_initializer)
+  built = []
+  real_init = train.init_train_state
+  monkeypatch.setattr(train, "init_train_state", lambda *a, **k: built.append(real_init(*a, **k)) or built[-1])
+  row = train.run(tiny_cfg(tmp_path), TOKENS, TOKENS[:2000], 257)
+  ts, = built
+  assert ts.train_step.started < initialized[0] and ts.train_step.started <= ts.eval_step.started
+  assert row["compile_s"] == ts.train_step.compile_s and 0 < row["compile_s"] < row["first_step_s"]
+
+
 def test_logging_is_left_out_of_the_throughput(tmp_path):
   """A slow metrics write (the process's first one took 0.78 s on an H100, which only the first route of a compare
   run paid) counts as a pause, as an evaluation or a checkpoint does."""
