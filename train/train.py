@@ -225,13 +225,13 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
       for done in range(start + 1, r.steps + 1):  # `done`: 1-based, the updates made once this step has run
         batch = to_global(next(it), ts.batch_sharding)
         if done == start + 1:  # the first call waits for the step's compile: say so while it lasts
-          step = ts.train_step
-          compile_s = lambda: getattr(step, "compile_s", None)  # pylint: disable=cell-var-from-loop
-          with progress.compile_ticker(label, enabled=lead, since=getattr(step, "started", None),
+          program = ts.train_step
+          compile_s = lambda: getattr(program, "compile_s", None)  # pylint: disable=cell-var-from-loop
+          with progress.compile_ticker(label, enabled=lead, since=getattr(program, "started", None),
                                        took=compile_s) as timer:
-            ts.state, loss, gnorm = step(ts.state, batch, jnp.int32(done - 1))
+            ts.state, loss, gnorm = program(ts.state, batch, jnp.int32(done - 1))
           rec.compile_s = compile_s() or timer()
-          report = getattr(ts.train_step, "report", None)
+          report = getattr(program, "report", None)
           if lead and report is not None and report.summary():
             print(f"[{label}] {report.summary()}", file=sys.stderr, flush=True)
         else:
