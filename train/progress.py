@@ -229,18 +229,19 @@ def compile_ticker(label: str, *, enabled: bool = True, every: float = 10.0, sin
   thread = threading.Thread(target=tick, daemon=True)
   if enabled:
     thread.start()
-  elapsed, ended = [None], "train step compiled in"
+  elapsed, failed = [None], False
   try:
     yield lambda: elapsed[0]
   except BaseException:
-    ended = "train step's first call failed after"  # not reported as compiled
+    failed = True  # not reported as compiled
     raise
   finally:
     elapsed[0] = time.time() - t0
     stop.set()
     if enabled:
       thread.join()
-      seconds = (took() if took is not None else None) if ended.endswith("in") else None
+      seconds = None if failed or took is None else took()
+      ended = "train step's first call failed after" if failed else "train step compiled in"
       print(f"[{label}] {ended} {elapsed[0] if seconds is None else seconds:.1f} s", file=sys.stderr, flush=True)
 
 

@@ -642,6 +642,11 @@ def test_compile_ticker_reports_while_it_lasts(capsys):
   with pytest.raises(ValueError), progress.compile_ticker("fp8"):  # a failure is not reported as compiled
     raise ValueError("no backend runs it")
   assert capsys.readouterr().err.startswith("[fp8] train step's first call failed after 0.")
+  # A compile begun ahead (`CompiledOnFirstCall.compile_ahead`): its seconds from its start, its own time last.
+  with progress.compile_ticker("nvfp4", every=0.05, since=time.time() - 100, took=lambda: 42.0):
+    time.sleep(0.12)
+  err = capsys.readouterr().err.splitlines()
+  assert err[0] == "[nvfp4] compiling the train step: 100 s" and err[-1] == "[nvfp4] train step compiled in 42.0 s"
 
 
 def test_main_sets_xla_flags_and_the_compilation_cache(tmp_path, monkeypatch):
