@@ -240,7 +240,7 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
           rec.record(*pending)
         if done == start + 2:  # the rest of the eval step's compile, waited for before the timed steps' Python
           with rec.paused():
-            getattr(ts.eval_step, "wait", lambda: None)()
+            ts.eval_step.wait()
         pending = (done, loss, gnorm)
         if (r.eval_every and done % r.eval_every == 0) or done == r.steps:
           rec.record(*pending)

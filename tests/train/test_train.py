@@ -842,8 +842,8 @@ def test_a_signal_is_handled_while_the_first_step_compiles():
 
 def test_steps_compiled_ahead_are_taken_by_their_first_calls():
   """`CompiledOnFirstCall.compile_ahead` compiles on a worker thread and returns at once; the first call waits for
-  that program and runs it; a call of other shapes compiles its own; an error comes out of the failed program's
-  first call, and the programs after it compile at theirs."""
+  that program and runs it; a first call of other shapes than compiled for compiles its own; an error comes out
+  of the failed program's first call, and the programs after it compile at theirs."""
   mesh = build.make_mesh((1, 1), jax.devices()[:1])
   traced = []
 
@@ -862,8 +862,10 @@ def test_steps_compiled_ahead_are_taken_by_their_first_calls():
   np.testing.assert_array_equal(double(x), 2 * np.arange(4.0))
   np.testing.assert_array_equal(minus(x), np.arange(4.0) - 2)
   assert traced == [(4,), (4,)]  # taken, not traced again
-  np.testing.assert_array_equal(double(jnp.arange(3.0)), 2 * np.arange(3.0))
-  assert traced[-1] == (3,)
+  other = program(lambda x, y: x * y)  # compiled ahead for [4], first called with [3]
+  progress.CompiledOnFirstCall.compile_ahead([(other, (spec,))])
+  np.testing.assert_array_equal(other(jnp.arange(3.0)), 2 * np.arange(3.0))
+  assert traced[-2:] == [(4,), (3,)]
 
   failing, after = program(lambda x, y: x @ y), program(lambda x, y: x + y)  # a matmul of a scalar: refused
   progress.CompiledOnFirstCall.compile_ahead([(failing, (spec,)), (after, (spec,))])
