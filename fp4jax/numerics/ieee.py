@@ -211,4 +211,8 @@ def mul_scales(x: jax.Array, f: jax.Array, g: jax.Array) -> jax.Array:
   mg, eg = split_pow2(g)
   e = ef + eg  # in [-298, 254]: halves beyond [-126, 127] only where the result is below the normal range
   half = jnp.clip(e >> 1, -126, 127)
-  return (x * mf) * mg * pow2(half) * pow2(jnp.clip(e - half, -126, 127))
+  # The four factors leave their scalar (or per-row) chain through a barrier: fused into x's elementwise
+  # consumer, the chain was recomputed per element and analysed anew by XLA's priority fusion for each GEMM
+  # output of a program (docs/BENCHMARKS.md, "Session of 2026-12-07, 00:24 UTC"; `params._stage` says more).
+  mf, mg, low, high = jax.lax.optimization_barrier((mf, mg, pow2(half), pow2(jnp.clip(e - half, -126, 127))))
+  return (x * mf) * mg * low * high

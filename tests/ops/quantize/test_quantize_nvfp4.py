@@ -305,3 +305,29 @@ def test_gpu_views_as_values_match_reference(row, col):
     got = nvfp4.views(x, row, col, *keys, forms=("values", "values"))
     for g, spec, axis, k in zip(got, (row, col), (1, 0), keys):
       _assert_values(g, xla.operand(x, spec, axis, k))
+
+
+def _barriers(jaxpr) -> int:
+  """Optimization barriers in a jaxpr, nested ones (a jitted function's) included."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "optimization_barrier"
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, (list, tuple)) else (value,):
+        inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's own
+        if hasattr(inner, "eqns"):
+          count += _barriers(inner)
+  return count
+
+
+def test_parameter_chains_reach_xla_in_stages():
+  """The NVFP4 parameter rows' scalar chain leaves each of its five stages through an optimization barrier
+  (`params._stage`), and a GEMM's two outer factors leave theirs through one (`ieee.mul_scales`): left whole,
+  XLA's priority fusion grew each chain into one fusion after another and copied it into its consumers, most of
+  its time in a scanned NVFP4 step (docs/BENCHMARKS.md, "Session of 2026-12-07, 00:24 UTC"). The values are
+  the conformance tests'."""
+  a = jnp.float32(3.0)
+  rows = jax.make_jaxpr(lambda a: params.view_params((a, a), ("rne", "sr"), (32, 32), "nvfp4"))(a)
+  assert _barriers(rows.jaxpr) == 5
+  factors = jax.make_jaxpr(ieee.mul_scales)(jnp.ones((4, 4), jnp.float32), a, a)
+  assert _barriers(factors.jaxpr) == 1

@@ -32,6 +32,20 @@ def view_params(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str],
   return _params_of(tuple(amaxes), roundings, None if scalars else steps, fmt)
 
 
+def _stage(values):
+  """`values` through an optimization barrier: the end of one stage of `_params_of`'s scalar chain.
+
+  Left whole, the chain (a few hundred elementwise instructions: correctly rounded divisions, lifts, cap steps)
+  is what XLA's priority fusion spent most of its time on in an NVFP4 step: it grows the chain into one fusion
+  after another, re-analysing the grown fusion at each step, and copies it into each consumer. A scanned NVFP4
+  Llama layer holds 12 chains; priority fusion took 2.5 s of the Llama-30M nvfp4 step's 9.6 s XLA compile on an
+  H100 (bf16's: 0.5 s); compiled for an H200 on a CPU, 1.0 s with the rows stubbed out against 2.3-4.3 s with
+  them. In stages, each fuses on its own, into fewer kernels (docs/BENCHMARKS.md, "Session of 2026-12-07, 00:24
+  UTC").
+  A barrier is the identity: the values are unchanged."""
+  return jax.lax.optimization_barrier(values)
+
+
 @functools.partial(jax.jit, static_argnames=("roundings", "steps", "fmt"))
 def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], steps: tuple[int, int] | None,
                fmt: str) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
@@ -53,17 +67,17 @@ def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], 
   scale_max = get_format(fmt).scale_max
   # reference.nvfp4_encode_scale with each view's headroom: the numerator fp32(scale_max / H * 6) per program
   numerators = column([np.float32(scale_max / h * E2M1_MAX) for h in heads])
-  s = ieee.amax_factor(numerators, amax)
-  outer = reference.nvfp4_outer(s)
+  s = _stage(ieee.amax_factor(numerators, amax))
+  outer = _stage(reference.nvfp4_outer(s))
   g = s * column([reference.nv_inv_target(E2M1_MAX, h) for h in heads])  # NaN marks a non-finite amax
-  o, shift = ieee.lift(outer)  # outer * 2^L, normal
+  o, shift = _stage(ieee.lift(outer))  # outer * 2^L, normal
   # [P, 8]: each q is normal, zero or NaN, as `normal_result` asks. o * (1 + j/8) is >= 2^-126 (o normal) and
   # <= 1.875 / S_enc <= 1.875 * float32 max / numerator, so q >= numerator / (1.875 * float32 max) > 2^-126
   # for numerators >= 8 (theirs are >= 1445); or o is infinite (S_enc = 0: q = 0) or NaN.
   assert numerators.min() >= 8, numerators
-  q = ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True, normal_result=True)
+  q = _stage(ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True, normal_result=True))
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
-  caps = [reference.scale_cap(outer, v) for v in (E2M1_MAX, 4.0)]  # CAP_SLOT, CAP4_SLOT
+  caps = _stage([reference.scale_cap(outer, v) for v in (E2M1_MAX, 4.0)])  # CAP_SLOT, CAP4_SLOT
   pad = np.zeros((s.shape[0], N_PARAMS - 14), np.float32)
   columns = [g, *q.T, s, g4, shift.astype(jnp.float32), *caps]
   params = jnp.concatenate([jnp.stack(columns, 1), pad], 1)
