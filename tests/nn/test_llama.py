@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import cpu_devices
+from jaxprs import primitive_count
 from bench import compile as compile_bench
 from fp4jax import Impl
 from fp4jax.nn import RouteRules, linear
@@ -327,21 +328,9 @@ def test_the_initializer_draws_once_per_parameter_whatever_the_depth():
   def draws(n_layers):
     config = dataclasses.replace(TINY, n_layers=n_layers)
     rules = RouteRules.standard("bf16", n_layers=n_layers)
-    return _primitive_count(jax.make_jaxpr(lambda: nnx.state(Llama(config, rules=rules, rngs=nnx.Rngs(0))))().jaxpr,
-                            "random_bits")
+    return primitive_count(jax.make_jaxpr(lambda: nnx.state(Llama(config, rules=rules, rngs=nnx.Rngs(0))))().jaxpr,
+                           "random_bits")
   assert draws(2) == draws(6) > 0
-
-
-def _primitive_count(jaxpr, name: str) -> int:
-  """How many times `jaxpr` binds the primitive `name`, each call of a nested jaxpr counted."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-          count += _primitive_count(getattr(sub, "jaxpr", sub), name)
-  return count
 
 
 @pytest.mark.parametrize("scan", [False, True])

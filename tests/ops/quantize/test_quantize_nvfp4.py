@@ -14,6 +14,7 @@ from fp4jax.numerics.spec import OperandKeys, OperandSpec
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import amax, common, nvfp4, params
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
+from jaxprs import primitive_count
 from quantize_inputs import INPUTS, assert_same, bits, rng_for, tile_turns
 
 SHAPE = (64, 128)
@@ -307,19 +308,6 @@ def test_gpu_views_as_values_match_reference(row, col):
       _assert_values(g, xla.operand(x, spec, axis, k))
 
 
-def _barriers(jaxpr) -> int:
-  """Optimization barriers in a jaxpr, nested ones (a jitted function's) included."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == "optimization_barrier"
-    for value in eqn.params.values():
-      for inner in value if isinstance(value, (list, tuple)) else (value,):
-        inner = getattr(inner, "jaxpr", inner)  # a closed jaxpr's own
-        if hasattr(inner, "eqns"):
-          count += _barriers(inner)
-  return count
-
-
 def test_parameter_chains_reach_xla_in_stages():
   """The NVFP4 parameter rows' scalar chain leaves each of its five stages through an optimization barrier
   (`params._stage`), and a GEMM's two outer factors leave theirs through one (`ieee.mul_scales`): left whole,
@@ -328,6 +316,6 @@ def test_parameter_chains_reach_xla_in_stages():
   the conformance tests'."""
   a = jnp.float32(3.0)
   rows = jax.make_jaxpr(lambda a: params.view_params((a, a), ("rne", "sr"), (32, 32), "nvfp4"))(a)
-  assert _barriers(rows.jaxpr) == 5
+  assert primitive_count(rows.jaxpr, "optimization_barrier") == 5
   factors = jax.make_jaxpr(ieee.mul_scales)(jnp.ones((4, 4), jnp.float32), a, a)
-  assert _barriers(factors.jaxpr) == 1
+  assert primitive_count(factors.jaxpr, "optimization_barrier") == 1
