@@ -40,9 +40,9 @@ class CompiledOnFirstCall:
 
   def __init__(self, jitted, *bound, threads: int | None, directory, mesh: Mesh):
     self.jitted, self.bound, self.threads, self.directory, self.mesh = jitted, bound, threads, directory, mesh
+    # self._signature: what the program was compiled for (`_signature`), until the first call has checked it
     self.compiled = self.report = self.compile_s = self.started = self._signature = None
     self._ahead: threading.Event | None = None  # set when a compile started by `compile_ahead` has ended
-    # self._signature: what the program was compiled for (`_signature`), until the first call has checked it
     self._ahead_error: BaseException | None = None
 
   def compile(self, *args) -> None:
