@@ -104,9 +104,13 @@ def amax_factor(numerator: jax.Array, amax: jax.Array) -> jax.Array:
   are both this.
 
   A constant numerator >= 4 (theirs) keeps every quotient normal: amax is at most float32 max, and 4 / float32
-  max > 2^-126; an infinite amax gives 0. So `div` skips its subnormal assembly then."""
+  max > 2^-126; an infinite amax gives 0. So `div` skips its subnormal assembly then, and the lift of a
+  subnormal amax too: its quotient is above 4 * 2^126 > float32 max, and a backend that reads it as zero
+  (XLA:CPU's `amax == 0` is true for it) takes the amax = 0 branch. The lift could not change a result, and its
+  bit arithmetic was a good part of the scalar chain XLA compiles per NVFP4 quantization (docs/BENCHMARKS.md,
+  "Session of 2026-12-07, 03:39 UTC")."""
   normal = isinstance(numerator, (np.ndarray, np.generic, float, int)) and bool(np.all(np.asarray(numerator) >= 4))
-  s = div(numerator, jnp.where(amax == 0, 1.0, amax), normal_result=normal)
+  s = div(numerator, jnp.where(amax == 0, 1.0, amax), b_normal=normal, normal_result=normal)
   return jnp.where(amax == 0, 1.0, jnp.minimum(s, jnp.finfo(jnp.float32).max))
 
 

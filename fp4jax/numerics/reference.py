@@ -209,7 +209,7 @@ def nv_inv_target(v_max: float, headroom: float) -> np.float32:
 
 
 # E4M3 values above 240, ascending: the block scales `scale_cap` may return (240 where none of them fits).
-_CAP_STEPS = (256.0, 288.0, 320.0, 352.0, 384.0, 416.0, E4M3_MAX)
+_CAP_FLOOR, _CAP_STEPS = 240.0, (256.0, 288.0, 320.0, 352.0, 384.0, 416.0, E4M3_MAX)
 
 
 def scale_cap(factor: jax.Array, v_max: float = E2M1_MAX) -> jax.Array:
@@ -218,12 +218,23 @@ def scale_cap(factor: jax.Array, v_max: float = E2M1_MAX) -> jax.Array:
   finite inputs saturate instead of decoding to inf (docs/NUMERICS.md, "Special values"). 448 wherever
   factor <= float32 max / (448 * v_max), so ordinary tensors are untouched. The factors the quantizers pass are at
   most float32 max / 1445 (amax <= float32 max over the smallest numerator, 4/6's with SR headroom; EDEN's
-  1554), so T >= 240 and only `_CAP_STEPS` need trying. Products and compares only: the Pallas kernels run it too.
-  """
-  cap = np.float32(240.0)
+  1554), so T >= 240 and only `_CAP_STEPS` need trying. Products and compares: the Pallas kernels run it too."""
+  cap = np.float32(_CAP_FLOOR)
   for t in _CAP_STEPS:  # v_max * t is exact; the product with the factor is the one `dequantize` rounds
     cap = jnp.where(np.float32(v_max * t) * factor <= _F32_MAX, np.float32(t), cap)
   return cap
+
+
+def scale_caps(factor: jax.Array, v_maxes: tuple[float, ...]) -> list[jax.Array]:
+  """[`scale_cap(factor, v) for v in v_maxes`] as one comparison and a sum (the steps that fit are a prefix, the
+  cap 240 plus their rises): XLA's form, where the chain of selects was a fifth of the NVFP4 rows' compile
+  (`pallas.params`; docs/BENCHMARKS.md, "Session of 2026-12-07, 03:39 UTC"). Kernels run `scale_cap` (Triton's
+  shapes are powers of two)."""
+  tops = np.array([[v * t for t in _CAP_STEPS] for v in v_maxes], np.float32)  # exact, as in scale_cap
+  fits = jnp.asarray(factor)[..., None, None] * tops <= _F32_MAX  # [..., targets, steps]
+  rises = np.diff(np.array((_CAP_FLOOR, *_CAP_STEPS), np.float32))
+  caps = np.float32(_CAP_FLOOR) + jnp.sum(jnp.where(fits, rises, np.float32(0)), axis=-1)  # integers: exact
+  return [caps[..., i] for i in range(len(v_maxes))]
 
 
 def _nv_block_scale(amax_b: jax.Array, s_enc: jax.Array, v_max: float, headroom: float = 1.0,

@@ -91,11 +91,13 @@ def test_div_by_constants_and_normal_divisors():
 def test_normal_result_where_the_quotient_cannot_be_subnormal():
   """`normal_result=True` (no subnormal assembly) keeps the bits of the general path where its promise holds:
   a constant numerator >= 4 over any divisor (`amax_factor`'s case: every bit pattern, zero, float32 max, inf,
-  NaN), with fewer operations."""
+  NaN), with fewer operations. Such a numerator needs no lift of a subnormal divisor either (`amax_factor` passes
+  b_normal): the quotient overflows whether the backend reads the divisor as itself or as zero."""
   a, b = _cases(11)
   for num in (np.float32(4.0), np.float32(448.0), np.float32(2688.0 / (17 / 16))):
-    _assert_bits_equal(jax.jit(lambda b, n=num: ieee.div(n, b, normal_result=True))(b),
-                       jax.jit(lambda b, n=num: ieee.div(n, b))(b))
+    general = jax.jit(lambda b, n=num: ieee.div(n, b))(b)
+    _assert_bits_equal(jax.jit(lambda b, n=num: ieee.div(n, b, normal_result=True))(b), general)
+    _assert_bits_equal(jax.jit(lambda b, n=num: ieee.div(n, b, b_normal=True, normal_result=True))(b), general)
   eqns = lambda f, *args: len(jax.make_jaxpr(f)(*args).jaxpr.eqns)
   assert eqns(lambda b: ieee.div(np.float32(4.0), b, normal_result=True), b[:4]) < eqns(
       lambda b: ieee.div(np.float32(4.0), b), b[:4])
@@ -163,6 +165,8 @@ def test_div_on_gpu_is_correctly_rounded():
                      quotient[kept])
   numerator = np.float32(2688.0)
   _assert_bits_equal(jax.jit(lambda b: ieee.div(numerator, b, normal_result=True))(on_gpu(b)),
+                     _numpy_div(numerator, b))
+  _assert_bits_equal(jax.jit(lambda b: ieee.div(numerator, b, b_normal=True, normal_result=True))(on_gpu(b)),
                      _numpy_div(numerator, b))
 
 

@@ -216,6 +216,25 @@ def test_scale_cap_binds_only_near_float32_max():
   assert float(ref.scale_cap(ref.eden_decode_scale(jnp.float32(1.9e38)))) == 448
   assert float(ref.scale_cap(ref.eden_decode_scale(jnp.float32(F32_MAX)))) == 256
 
+def test_scale_caps_equal_scale_cap():
+  """`scale_caps` (XLA's form: one comparison and a sum) gives `scale_cap`'s bits for every factor: each step's
+  threshold float32 max / (v_max * t) and its float32 neighbours, fresh random factors, and the specials."""
+  tops = np.array([v * t for v in (6.0, 4.0) for t in ref._CAP_STEPS], np.float64)
+  edges = (np.float64(F32_MAX) / tops).astype(np.float32)
+  near = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf))])
+  rng = fresh_rng()
+  drawn = np.exp(rng.uniform(np.log(1e30), np.log(1e36), 256)).astype(np.float32)
+  special = np.array([0.0, -0.0, 1e-45, 1.0, -1.0, F32_MAX, np.inf, -np.inf, np.nan], np.float32)
+  factor = jnp.asarray(np.concatenate([near, drawn, special]))
+  for v_maxes in ((6.0,), (6.0, 4.0)):
+    caps = ref.scale_caps(factor, v_maxes)
+    for v, cap in zip(v_maxes, caps):
+      want = np.asarray(ref.scale_cap(factor, v))
+      np.testing.assert_array_equal(np.asarray(cap), want, err_msg=f"{v_maxes=} {v=}")
+      assert len(np.unique(want)) > 3, v  # the factors reach several steps
+  assert [float(c) for c in ref.scale_caps(jnp.float32(1.0), (6.0, 4.0))] == [448.0, 448.0]  # a scalar factor
+
+
 
 def test_tile_2d_orientations_agree():
   cases = [(SHAPE, "mxfp4", {}), (SHAPE, "mxfp4", {"clip_fraction": 0.87}), (SHAPE, "nvfp4", {}),

@@ -4,7 +4,7 @@ module docstring of `pallas.nvfp4` says why the kernel divides nowhere).
 
 Row layout (N_PARAMS float32, a power-of-two width): [g = S_enc * c, q_0 .. q_7, S_enc (S_ENC_SLOT),
 g4 = S_enc * c4 (G4_SLOT, 4/6's second target), L (SHIFT_SLOT), the block scale caps `reference.scale_cap(outer)`
-(CAP_SLOT) and `scale_cap(outer, 4)` (CAP4_SLOT, 4/6's target 4), 0 ...].
+(CAP_SLOT) and `scale_cap(outer, 4)` (CAP4_SLOT, 4/6's target 4; 0 in the other formats' rows), 0 ...].
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def _params_of(amaxes: tuple[jax.Array, jax.Array], roundings: tuple[str, str], 
   assert numerators.min() >= 8, numerators
   q = _stage(ieee.div(np.float32(1.0), o[:, None] * MANTISSAS[None, :], b_normal=True, normal_result=True))
   g4 = s * column([reference.nv_inv_target(4.0, h) for h in heads])
-  caps = _stage([reference.scale_cap(outer, v) for v in (E2M1_MAX, 4.0)])  # CAP_SLOT, CAP4_SLOT
+  four_six = fmt == "nvfp4_46"  # the only kernel that reads CAP4_SLOT (the others' rows hold 0 there)
+  caps = _stage(reference.scale_caps(outer, (E2M1_MAX, 4.0) if four_six else (E2M1_MAX,)))
   pad = np.zeros((s.shape[0], N_PARAMS - 14), np.float32)
-  columns = [g, *q.T, s, g4, shift.astype(jnp.float32), *caps]
+  columns = [g, *q.T, s, g4, shift.astype(jnp.float32), caps[0], caps[1] if four_six else jnp.zeros_like(outer)]
   params = jnp.concatenate([jnp.stack(columns, 1), pad], 1)
   split = lambda v: (v[:counts[0]], v[counts[0]:])
   outers = tuple(o.reshape(()) if a.ndim == 0 else jnp.repeat(o, step)  # per program -> per K-major row
