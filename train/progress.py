@@ -56,27 +56,42 @@ class CompiledOnFirstCall:
     self.compile_s = time.time() - t0
 
   @staticmethod
-  def compile_ahead(jobs: list[tuple[CompiledOnFirstCall, tuple]]) -> None:
+  def compile_ahead(jobs: list[tuple[CompiledOnFirstCall, tuple]]) -> Callable[[], None]:
     """Compiles each (program, args) of `jobs` in turn on one worker thread (a daemon) and returns at once: the
     caller goes on (initializing the state, reading data) while XLA compiles, and each program's first call (or
     `wait`) waits for its own. An error is raised by that program's first call; the programs after it are
-    compiled by their own first calls."""
+    compiled by their own first calls.
+
+    Returns `abandon`, for a caller whose set-up failed: the jobs not yet begun are dropped (a first call would
+    compile them), and it waits, in short joins, for the one compiling, so that a failed run's compile does not
+    go on beside what the process does next (a study's next run, `train.study`)."""
     done = [threading.Event() for _ in jobs]
+    dropped = threading.Event()
     for (program, _), event in zip(jobs, done):
       program._ahead = event
 
     def run():
       for i, (program, args) in enumerate(jobs):
+        if dropped.is_set():
+          break
         try:
           program.compile(*args)
         except BaseException as err:  # pylint: disable=broad-except  # raised by the program's first call
           program._ahead_error = err
-          for event in done[i:]:
-            event.set()
-          return
+          break
         done[i].set()
+      for event in done:
+        event.set()
 
-    threading.Thread(target=run, name="fp4jax-compile-ahead", daemon=True).start()
+    worker = threading.Thread(target=run, name="fp4jax-compile-ahead", daemon=True)
+    worker.start()
+
+    def abandon() -> None:
+      dropped.set()
+      while worker.is_alive():
+        worker.join(0.2)
+
+    return abandon
 
   def wait(self) -> None:
     """Returns once a compile started ahead has ended (at once if none was started); raises its error. Waits in

@@ -38,7 +38,7 @@ import resource
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ class TrainState:
   train_step: Any
   eval_step: Any
   all_finite: Any
+  abandon_ahead: Callable[[], None] = lambda: None  # the steps' compile begun ahead: `compile_ahead`'s abandon
 
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh, *,
@@ -108,16 +109,22 @@ def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh, *,
     batch_spec = jax.ShapeDtypeStruct(data.batch_shape(cfg.data.seq_len, cfg.data.batch_size), data.WINDOW_DTYPE,
                                       sharding=batch_sharding)
     jobs = [(train_step, (state_spec, batch_spec, jnp.int32(0))), (eval_step, (state_spec, batch_spec))]
-    progress.CompiledOnFirstCall.compile_ahead([job for job, ahead in zip(jobs, compile_ahead) if ahead])
-  with jax.set_mesh(mesh):
-    state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    abandon = progress.CompiledOnFirstCall.compile_ahead([job for job, ahead in zip(jobs, compile_ahead) if ahead])
+  else:
+    abandon = lambda: None
+  try:
+    with jax.set_mesh(mesh):
+      state = platform.compile_initializer(lambda: nnx.split(create())[1], out_shardings=shardings)()
+  except Exception:
+    abandon()  # the failed set-up's compile ends before its error leaves (a study goes on to its next run)
+    raise
 
   @jax.jit
   def all_finite(state):
     leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
-  return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step, all_finite)
+  return TrainState(graphdef, state, mesh, batch_sharding, train_step, eval_step, all_finite, abandon)
 
 
 def checkpoint_alternative(ts: TrainState) -> checkpoint.Alternative | None:
@@ -263,6 +270,10 @@ def run(cfg: config_lib.Config, train_tokens: np.ndarray, eval_tokens: np.ndarra
           if stop.signum is not None:  # written before the handlers are restored: a second signal ends it at once
             ckpt.wait()
             raise interrupt.Interrupted(stop.signum, label, done, ckpt.directory)
+  except Exception as err:  # a failed first step: the eval step's compile ends before the error leaves
+    if not isinstance(err, interrupt.Interrupted):  # a stop request leaves at once
+      ts.abandon_ahead()
+    raise
   finally:
     bar.close()
     if log:  # before the checkpointer, whose close may raise (a full disk under the step in flight)

@@ -2,6 +2,7 @@
 step behind, never saving a bad state), compare mode outputs, and a sharded step on an 8-device CPU mesh
 equal to the single-device step."""
 
+import dataclasses
 import errno
 import json
 import logging
@@ -872,6 +873,67 @@ def test_steps_compiled_ahead_are_taken_by_their_first_calls():
   with pytest.raises(ValueError, match="matmul input operand 1 must have ndim at least 1"):
     failing(x)
   np.testing.assert_array_equal(after(x), np.arange(4.0) + 2)
+
+
+def test_an_abandoned_compile_ahead_drops_the_jobs_not_begun():
+  """`compile_ahead`'s abandon (a set-up that failed) waits for the compile in progress and drops the jobs after
+  it: nothing of a failed run compiles on; a dropped program's first call compiles it."""
+  mesh = build.make_mesh((1, 1), jax.devices()[:1])
+  release = threading.Event()
+
+  def slow(x, y):
+    release.wait(10)  # while tracing: abandon is called before this compile can end
+    return x * y
+
+  first, second = (progress.CompiledOnFirstCall(jax.jit(fn), jnp.float32(2), threads=0, directory=None, mesh=mesh)
+                   for fn in (slow, lambda x, y: x - y))
+  spec = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  abandon = progress.CompiledOnFirstCall.compile_ahead([(first, (spec,)), (second, (spec,))])
+  threading.Timer(0.3, release.set).start()
+  abandon()
+  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+  assert first.compiled is not None and second.compiled is None and second.started is None
+  x = jax.device_put(jnp.arange(4.0), jax.devices()[0])
+  np.testing.assert_array_equal(second(x), np.arange(4.0) - 2)  # compiled at its first call
+
+
+def test_a_failed_set_up_leaves_no_compile_running(tmp_path, monkeypatch):
+  """An initializer that fails (out of memory, say) ends the run's set-up only once the steps' compile begun ahead
+  has ended, the eval step's dropped: a study's next run does not compile beside it."""
+  from fp4jax import platform
+
+  def compile_initializer(*args, **kwargs):
+    raise RuntimeError("RESOURCE_EXHAUSTED: the initializer")
+
+  monkeypatch.setattr(platform, "compile_initializer", compile_initializer)
+  built = []
+  real_ahead = progress.CompiledOnFirstCall.compile_ahead
+  monkeypatch.setattr(progress.CompiledOnFirstCall, "compile_ahead",
+                      staticmethod(lambda jobs: built.append(jobs) or real_ahead(jobs)))
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    train.run(tiny_cfg(tmp_path), TOKENS, TOKENS[:2000], 257)
+  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+  (train_step, _), (eval_step, _) = built[0]
+  assert train_step.compiled is not None and eval_step.started is None
+
+
+def test_a_failed_first_step_leaves_no_compile_running(tmp_path, monkeypatch):
+  """A first step that fails (out of memory, say) leaves the run once the eval step's compile begun ahead has
+  ended or been dropped."""
+  real_init = train.init_train_state
+
+  def init(*args, **kwargs):
+    ts = real_init(*args, **kwargs)
+
+    def failing(*args):
+      raise RuntimeError("RESOURCE_EXHAUSTED: the first step")
+
+    return dataclasses.replace(ts, train_step=failing)
+
+  monkeypatch.setattr(train, "init_train_state", init)
+  with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+    train.run(tiny_cfg(tmp_path), TOKENS, TOKENS[:2000], 257)
+  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
 
 
 def test_a_run_compiles_its_steps_while_the_state_initializes(tmp_path, monkeypatch):
