@@ -17,6 +17,7 @@ from fp4jax.dot import fp4_dot, other_orientation
 from fp4jax.numerics import prng
 from fp4jax.numerics.hadamard import hadamard
 from fp4jax.numerics.reference import dequantize, quantize
+from jaxprs import equations
 from mx_operands import fp8_tolerance
 
 # The documented key rule (fp4jax/route.py): fold_in(key, index), one index per operand role and per GEMM.
@@ -128,14 +129,7 @@ def test_tile_2d_other_orientation_is_the_other_quantization(fmt):
 
 def _named_calls(jaxpr, name):
   """How many calls of the jitted function `name` a jaxpr makes, nested calls included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.params.get("name") == name
-    for p in eqn.params.values():
-      inner = getattr(p, "jaxpr", None)
-      if inner is not None:
-        n += _named_calls(getattr(inner, "jaxpr", inner), name)
-  return n
+  return sum(eqn.params.get("name") == name for eqn in equations(jaxpr))
 
 
 @pytest.mark.parametrize("name, calls", [("bf16", 0), ("mxfp4", 3), ("mxfp4_sr", 4), ("nvfp4", 3)])
@@ -606,15 +600,8 @@ def test_shard_map_lowers_with_the_kernels_for_an_h200(route):
 
 def _dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
   """(lhs dtype, rhs dtype) of every dot_general in a jaxpr, nested calls included."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      out.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-    for p in eqn.params.values():
-      inner = getattr(p, "jaxpr", None)
-      if inner is not None:
-        out += _dot_operand_dtypes(getattr(inner, "jaxpr", inner))
-  return out
+  return [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in equations(jaxpr)
+          if eqn.primitive.name == "dot_general"]
 
 
 def test_bf16_route_float32_out_backward_is_bf16_gemms():

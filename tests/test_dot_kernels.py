@@ -19,23 +19,14 @@ from fp4jax.numerics.hadamard import hadamard
 from fp4jax.ops import gemm as gemm_lib
 from fp4jax.ops.quantize import pallas, xla
 from fp4jax.ops.quantize.pallas import mxfp4, nvfp4
+from jaxprs import equations
 
 INTERPRET, XLA = Impl(quantizer="interpret"), Impl(quantizer="xla")
 
 
 def _pallas_calls(jaxpr) -> list:
   """pallas_call equations in a jaxpr, listing each call of a shared sub-jaxpr (printed once) every time."""
-  calls = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      calls.append(eqn)
-      continue
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-        if hasattr(sub, "eqns"):
-          calls += _pallas_calls(sub)
-  return calls
+  return [eqn for eqn in equations(jaxpr, into_kernels=False) if eqn.primitive.name == "pallas_call"]
 
 
 def _pallas_launches(jaxpr) -> int:
