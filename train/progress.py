@@ -88,8 +88,7 @@ class CompiledOnFirstCall:
 
     def abandon() -> None:
       dropped.set()
-      while worker.is_alive():
-        worker.join(0.2)
+      join(worker)
 
     return abandon
 
@@ -119,6 +118,12 @@ def _signature(args) -> tuple:
   return tree, tuple((np.shape(x), getattr(x, "dtype", None), getattr(x, "sharding", None)) for x in leaves)
 
 
+def join(thread: threading.Thread, poll: float = 0.2) -> None:
+  """Waits for `thread` in joins of `poll` seconds, so that a signal is handled at once (`on_worker_thread`)."""
+  while thread.is_alive():
+    thread.join(poll)
+
+
 def on_worker_thread(fn: Callable[[], Any], poll: float = 0.2) -> Any:
   """fn() run on another thread while this one waits in short joins, so that a signal is handled at once:
   Python runs signal handlers on the main thread only, between bytecodes, and a minutes-long XLA compile on
@@ -134,8 +139,7 @@ def on_worker_thread(fn: Callable[[], Any], poll: float = 0.2) -> Any:
 
   worker = threading.Thread(target=run, name="fp4jax-compile", daemon=True)
   worker.start()
-  while worker.is_alive():
-    worker.join(poll)
+  join(worker, poll)
   if "error" in result:
     raise result["error"]
   return result["value"]

@@ -61,7 +61,7 @@ class TrainState:
   train_step: Any
   eval_step: Any
   all_finite: Any
-  abandon_ahead: Callable[[], None] = lambda: None  # the steps' compile begun ahead: `compile_ahead`'s abandon
+  abandon_ahead: Callable[[], None]  # ends the steps' compile begun ahead (`compile_ahead`'s abandon; or nothing)
 
 
 def init_train_state(cfg: config_lib.Config, vocab_size: int, mesh: Mesh, *,

@@ -875,6 +875,11 @@ def test_steps_compiled_ahead_are_taken_by_their_first_calls():
   np.testing.assert_array_equal(after(x), np.arange(4.0) + 2)
 
 
+def _compiling_ahead() -> bool:
+  """Whether a `compile_ahead` worker thread is still running."""
+  return any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+
+
 def test_an_abandoned_compile_ahead_drops_the_jobs_not_begun():
   """`compile_ahead`'s abandon (a set-up that failed) waits for the compile in progress and drops the jobs after
   it: nothing of a failed run compiles on; a dropped program's first call compiles it."""
@@ -891,7 +896,7 @@ def test_an_abandoned_compile_ahead_drops_the_jobs_not_begun():
   abandon = progress.CompiledOnFirstCall.compile_ahead([(first, (spec,)), (second, (spec,))])
   threading.Timer(0.3, release.set).start()
   abandon()
-  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+  assert not _compiling_ahead()
   assert first.compiled is not None and second.compiled is None and second.started is None
   x = jax.device_put(jnp.arange(4.0), jax.devices()[0])
   np.testing.assert_array_equal(second(x), np.arange(4.0) - 2)  # compiled at its first call
@@ -912,7 +917,7 @@ def test_a_failed_set_up_leaves_no_compile_running(tmp_path, monkeypatch):
                       staticmethod(lambda jobs: built.append(jobs) or real_ahead(jobs)))
   with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
     train.run(tiny_cfg(tmp_path), TOKENS, TOKENS[:2000], 257)
-  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+  assert not _compiling_ahead()
   (train_step, _), (eval_step, _) = built[0]
   assert train_step.compiled is not None and eval_step.started is None
 
@@ -933,7 +938,7 @@ def test_a_failed_first_step_leaves_no_compile_running(tmp_path, monkeypatch):
   monkeypatch.setattr(train, "init_train_state", init)
   with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
     train.run(tiny_cfg(tmp_path), TOKENS, TOKENS[:2000], 257)
-  assert not any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
+  assert not _compiling_ahead()
 
 
 def test_a_run_compiles_its_steps_while_the_state_initializes(tmp_path, monkeypatch):
