@@ -1,11 +1,13 @@
 """Compiling a program with its Pallas kernels compiled first, in parallel (`compile_program`).
 
-XLA:GPU compiles the Triton kernel of every `pallas_call` launch configuration in a program on the thread that
-emits the program, one after another: compiled for an H200 on a 2-core CPU (no GPU), the Llama-30M nvfp4 train
+XLA:GPU compiles the Triton kernel of every `pallas_call` launch configuration in a program as a job of the pool
+that also compiles the program's own kernels (`--xla_gpu_force_compilation_parallelism` threads; with one, all on
+the thread that emits the program): compiled for an H200 on a 2-core CPU (no GPU), the Llama-30M nvfp4 train
 step's 13 launches took 2.9 of its 7.5 s of compile, quartet2's 24 took 4.5 of 10.3 s, which the program no longer
-spent once they were compiled beforehand (docs/BENCHMARKS.md, "CPU session of 2026-12-05, 06:44"). The kernels
-do not depend on each other, and XLA releases the GIL while it compiles, so they can be compiled side by side, on
-the host's other CPUs, while Python lowers the program.
+spent once they were compiled beforehand (docs/BENCHMARKS.md, "CPU session of 2026-12-05, 06:44"). Compiled
+first, they run side by side on the host's other CPUs while Python lowers the program (XLA releases the GIL while
+it compiles), instead of inside the program's compile; on hosts of many CPUs, where the pool already runs them
+side by side, that gains little (docs/BENCHMARKS.md, "Session of 2026-12-07, 06:28 UTC").
 
 How: XLA's kernel reuse cache (the `xla_gpu_kernel_cache_file` option). For a Triton call its key is the call's
 backend configuration: kernel name, Triton IR, grid, warps and stages, so a kernel compiled in a program of its
