@@ -20,9 +20,12 @@ work, so their seconds carry over to the GPU machine's host roughly as the CPUs 
 (HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes),
 summed by name: where the XLA compile phase itself goes, on the machine it runs on. Then the N longest single
 events, each with its thread and its start after the first event: work on the calling thread is serial
-(the HLO passes, IR emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin) runs in
-parallel, so a sum over threads can exceed the wall time, and only the single events tell one long kernel from
-many short ones. Its compile seconds then include the profiler's own start and stop.
+(the HLO passes, IR emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin, and
+each Pallas kernel's Triton pipeline) runs in parallel, so a sum over threads can exceed the wall time, and only
+the single events tell one long kernel from many short ones. A last line splits the compile by thread: the
+calling thread's span, and the pool's (its threads' busy seconds, when its first job started and its last
+ended, its longest job), so that a pool that ends long after its first job or a long job at the end shows
+what bounds the compile. Its compile seconds then include the profiler's own start and stop.
 
 `--h200 --xla` compiles too, with XLA:GPU itself for an H200 target, on a machine without a GPU (deviceless
 ahead-of-time compilation; it needs JAX's CUDA plugin: `pip install "jax[cuda13]==0.11.2"`). Every phase then
@@ -199,6 +202,50 @@ class CompileEvent(NamedTuple):
   seconds: float
 
 
+class ThreadUse(NamedTuple):
+  """One thread's share of a compile: its busy seconds (the sum of its outermost events: the events it nests
+  inside others counted once; work XLA records no event for, such as a Pallas kernel's Triton pipeline before its
+  LLVM module, is left out), its first event's start and its last one's end (seconds after the first event of any
+  thread), and its longest outermost event."""
+
+  busy: float
+  start: float
+  end: float
+  longest: CompileEvent
+
+
+def thread_use(events: list[CompileEvent]) -> dict[str, ThreadUse]:
+  """`ThreadUse` of each thread that recorded `events` (`compile_events`' single events, every one of them)."""
+  by_thread: dict[str, list[CompileEvent]] = collections.defaultdict(list)
+  for event in events:
+    by_thread[event.thread].append(event)
+  use = {}
+  for thread, mine in by_thread.items():
+    mine.sort(key=lambda e: (e.start, -e.seconds))  # an enclosing event before those it holds
+    outermost, end = [], -1.0
+    for event in mine:
+      if event.start >= end:  # not inside the last outermost event (XLA's events on one thread nest)
+        outermost.append(event)
+        end = event.start + event.seconds
+    use[thread] = ThreadUse(sum(e.seconds for e in outermost), mine[0].start,
+                            max(e.start + e.seconds for e in mine), max(outermost, key=lambda e: e.seconds))
+  return use
+
+
+def threads_line(use: dict[str, ThreadUse]) -> str:
+  """The compile split by thread: the calling thread (the one whose outermost event is the longest: the compile
+  itself) and the others, XLA's compile pool, summed."""
+  caller = max(use, key=lambda t: use[t].longest.seconds)
+  line = f"threads: calling ({caller[:24]}) {use[caller].start:.2f}-{use[caller].end:.2f} s"
+  pool = [u for t, u in use.items() if t != caller]
+  if not pool:
+    return line + "; no other thread"
+  longest = max((u.longest for u in pool), key=lambda e: e.seconds)
+  return (f"{line}; {len(pool)} others busy {sum(u.busy for u in pool):.2f} s in all, "
+          f"from {min(u.start for u in pool):.2f} to {max(u.end for u in pool):.2f} s, longest job "
+          f"{longest.seconds:.2f} s ({longest.name[:40]})")
+
+
 def compile_events(lowered, compiler_options: dict | None = None
                    ) -> tuple[float, list[tuple[str, int, float]], list[CompileEvent], jax.stages.Compiled]:
   """Compiles `lowered` (with `compiler_options`) under `jax.profiler`: (seconds, [(event name, count, seconds)]
@@ -339,7 +386,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "distinct": distinct,
           "launches": launches,
           "hlo": inlined_size(lowered.compiler_ir("hlo").as_hlo_text()), "events": events[:passes],
-          "singles": singles[:passes],
+          "singles": singles[:passes], "threads": thread_use(singles) if singles else None,
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
           "kernels_first": report.kernels, "kernels_first_s": report.kernel_s,
@@ -376,6 +423,8 @@ def _line(name: str, p: dict) -> str:
   if p.get("singles"):
     lines.append("      longest single events (seconds, start, thread, event):")
     lines += [f"      {e.seconds:7.2f} s  at {e.start:6.2f} s  {e.thread[:24]:24s}  {e.name}" for e in p["singles"]]
+  if p.get("threads"):
+    lines.append(f"      {threads_line(p['threads'])}")
   return "\n".join(lines)
 
 

@@ -69,6 +69,7 @@ def test_bench_compile_passes_lists_xla_compile_events(capsys):
   assert len(singles) == 6, out  # the three longest single events of each compile
   seconds = [s for s, _ in singles[:3]]
   assert seconds == sorted(seconds, reverse=True), singles  # longest first
+  assert len([l for l in out if l.strip().startswith("threads: calling (")]) == 2, out  # one per compile
 
 
 def test_compile_events_single_events_sum_to_the_totals():
@@ -81,6 +82,24 @@ def test_compile_events_single_events_sum_to_the_totals():
   assert totals and {name: round(s, 9) for name, _, s in totals} == {n: round(s, 9) for n, s in by_name.items()}
   assert all(e.start >= 0 and e.seconds >= 0 and e.thread for e in singles)
   assert [e.seconds for e in singles] == sorted((e.seconds for e in singles), reverse=True)
+
+
+def test_thread_use_counts_nested_events_once():
+  """`thread_use`: a thread's busy seconds sum its outermost events only (XLA's events nest on a thread), its
+  span runs from its first start to its last end, its longest job is an outermost event; `threads_line` names the
+  thread of the longest event as the calling one and sums the others (the compile pool)."""
+  ev = compile_bench.CompileEvent
+  events = [ev("compile", "python", 0.0, 10.0), ev("passes", "python", 0.5, 2.0), ev("pass", "python", 0.6, 1.0),
+            ev("module", "tf_1", 3.0, 1.0), ev("ptxas", "tf_1", 3.5, 0.5), ev("module", "tf_1", 5.0, 2.5),
+            ev("triton", "tf_2", 4.0, 0.75), ev("ptxas", "tf_2", 4.25, 0.5)]
+  use = compile_bench.thread_use(events)
+  assert use["python"] == compile_bench.ThreadUse(10.0, 0.0, 10.0, events[0])
+  assert use["tf_1"] == compile_bench.ThreadUse(3.5, 3.0, 7.5, events[5])
+  assert use["tf_2"] == compile_bench.ThreadUse(0.75, 4.0, 4.75, events[6])
+  assert compile_bench.threads_line(use) == ("threads: calling (python) 0.00-10.00 s; 2 others busy 4.25 s in all, "
+                                             "from 3.00 to 7.50 s, longest job 2.50 s (module)")
+  alone = compile_bench.thread_use(events[:3])
+  assert compile_bench.threads_line(alone) == "threads: calling (python) 0.00-10.00 s; no other thread"
 
 
 def test_xla_kernels_counts_fusions_once_each():
