@@ -363,7 +363,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     target, args = jax.set_mesh(xla), _on(xla, args)
   else:
     target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
-  with target as modules:
+  with target as modules, platform.old_objects_frozen():  # as train and `bench step` compile
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()

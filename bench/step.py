@@ -204,8 +204,9 @@ def measure(route: str, args: argparse.Namespace, batch: int, seq: int) -> dict:
          "gemm": args.gemm, "fused_linears": cfg.fuse_linears, "fused_producers": not args.unfused_producers,
          "microbatches": args.microbatches}
   t0 = time.perf_counter()
-  compiled, report = compiling.compile_program(jax.jit(step_fn, donate_argnums=0), abstract, tokens_spec,
-                                               jax.ShapeDtypeStruct((), jnp.int32), **args_lib.kernels_first(args))
+  with platform.old_objects_frozen():  # as train compiles
+    compiled, report = compiling.compile_program(jax.jit(step_fn, donate_argnums=0), abstract, tokens_spec,
+                                                 jax.ShapeDtypeStruct((), jnp.int32), **args_lib.kernels_first(args))
   row["compile_s"] = time.perf_counter() - t0
   row["kernels_first"], row["kernels_first_s"] = report.kernels, report.kernel_s
   _progress(route, f"compiled in {row['compile_s']:.1f} s" + (f" ({report.summary()})" if report.summary() else ""))

@@ -1,7 +1,8 @@
 """Which platform JAX is compiling for, where a choice depends on it (the quantizer implementation "auto", the
 fp8 GEMM's output dtype, the attention kernel), and process-wide set-up: the XLA flags and JAX's persistent
-compilation cache the apps (train, bench) start with, and the Triton dialect's module name that the Pallas
-kernels' package registers when it is imported (`alias_triton_dialect_module`).
+compilation cache the apps (train, bench) start with, the garbage collector's freeze they compile in
+(`old_objects_frozen`), and the Triton dialect's module name that the Pallas kernels' package registers when it
+is imported (`alias_triton_dialect_module`).
 
 `vary_alike` casts values inside `jax.shard_map` to one varying type, where fp4_dot and the Pallas kernels
 meet both sharded and replicated values.
@@ -12,10 +13,13 @@ GPU program is lowered on a machine without one (`python -m bench program`), so 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib.util
 import os
 import pathlib
 import sys
+from typing import Iterator
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -106,6 +110,23 @@ def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:
   added = [f for f in flags if f.split("=")[0] not in names]
   os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
   return os.environ["XLA_FLAGS"]
+
+
+@contextlib.contextmanager
+def old_objects_frozen() -> Iterator[None]:
+  """Inside: Python's cyclic garbage collector skips the objects alive on entry (`gc.freeze`) and scans only
+  those made since; the apps compile their steps inside it. Each full collection walks every object the process
+  holds (JAX's, Flax's, the model's), and tracing and lowering a train step make enough objects to start
+  several: 0.3 s of the Llama-30M nvfp4 step's 2.1 s of tracing and lowering on a CPU, 0.1 of bf16's 0.6 s, at
+  the same peak memory (docs/BENCHMARKS.md, "Session of 2026-12-07, 06:28 UTC"). Cycles among new objects are
+  collected as before. On exit every frozen object returns to the oldest generation (`gc.unfreeze`), those the
+  process froze before included: a process-wide choice, for the apps, which own their process. Two such regions
+  at once on two threads (a compile ahead beside the state's initializer) end the freeze with the first to exit."""
+  gc.freeze()
+  try:
+    yield
+  finally:
+    gc.unfreeze()
 
 
 def default_cache_dir() -> pathlib.Path:

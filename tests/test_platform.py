@@ -1,5 +1,7 @@
-"""fp4jax.platform: the target platform, the apps' XLA flags and the shared persistent compilation cache."""
+"""fp4jax.platform: the target platform, the apps' XLA flags, the shared persistent compilation cache and the
+garbage collector's freeze the apps compile in."""
 
+import gc
 import importlib
 import os
 import pathlib
@@ -203,3 +205,19 @@ def test_triton_dialect_alias_replaces_nothing(monkeypatch):
   monkeypatch.delitem(sys.modules, name)
   monkeypatch.setattr(platform.importlib.util, "find_spec", lambda n: object() if n == name else None)
   assert not platform.alias_triton_dialect_module() and name not in sys.modules
+
+
+def test_old_objects_frozen_freezes_inside_and_unfreezes_after():
+  """Inside `old_objects_frozen` the objects alive on entry are out of the collector's reach (frozen), after it
+  none is, an error inside included. (The interpreter may freeze its start-up objects: unfrozen first, so that
+  the freeze shows.)"""
+  gc.unfreeze()
+  holder = [object()]  # an object alive on entry
+  with platform.old_objects_frozen():
+    assert gc.get_freeze_count() >= len(holder)
+  assert gc.get_freeze_count() == 0
+  with pytest.raises(KeyError):
+    with platform.old_objects_frozen():
+      assert gc.get_freeze_count() > 0
+      raise KeyError("inside")
+  assert gc.get_freeze_count() == 0

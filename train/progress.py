@@ -47,9 +47,9 @@ class CompiledOnFirstCall:
 
   def compile(self, *args) -> None:
     """Compiles for `args` (arrays, or ShapeDtypeStructs with shardings) on this thread."""
-    from fp4jax import compiling
+    from fp4jax import compiling, platform
     t0 = self.started = time.time()
-    with jax.set_mesh(self.mesh):
+    with jax.set_mesh(self.mesh), platform.old_objects_frozen():
       compiled, report = compiling.compile_program(self.jitted, *args, *self.bound, threads=self.threads,
                                                    directory=self.directory)
     self.compiled, self.report, self._signature = compiled, report, _signature(args)

@@ -875,6 +875,24 @@ def test_steps_compiled_ahead_are_taken_by_their_first_calls():
   np.testing.assert_array_equal(after(x), np.arange(4.0) + 2)
 
 
+def test_a_step_traces_with_old_objects_frozen():
+  """`CompiledOnFirstCall` traces its program inside `platform.old_objects_frozen` (a step's tracing makes enough
+  objects to start full collections of the whole heap) and leaves nothing frozen; its program runs."""
+  import gc  # pylint: disable=g-import-not-at-top
+  gc.unfreeze()  # the interpreter's start-up objects, if it froze them: so that the compile's freeze shows
+  seen = []
+
+  def fn(x, y):
+    seen.append(gc.get_freeze_count())
+    return x * y
+
+  program = progress.CompiledOnFirstCall(jax.jit(fn), jnp.float32(2), threads=0, directory=None,
+                                         mesh=build.make_mesh((1, 1), jax.devices()[:1]))
+  np.testing.assert_array_equal(program(jnp.arange(4.0)), 2 * np.arange(4.0))
+  assert seen and seen[0] > 0, seen
+  assert gc.get_freeze_count() == 0
+
+
 def _compiling_ahead() -> bool:
   """Whether a `compile_ahead` worker thread is still running."""
   return any(t.name == "fp4jax-compile-ahead" and t.is_alive() for t in threading.enumerate())
