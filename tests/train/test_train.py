@@ -4,6 +4,7 @@ equal to the single-device step."""
 
 import dataclasses
 import errno
+import gc
 import json
 import logging
 import os
@@ -878,7 +879,6 @@ def test_steps_compiled_ahead_are_taken_by_their_first_calls():
 def test_a_step_traces_with_old_objects_frozen():
   """`CompiledOnFirstCall` traces its program inside `platform.old_objects_frozen` (a step's tracing makes enough
   objects to start full collections of the whole heap) and leaves nothing frozen; its program runs."""
-  import gc  # pylint: disable=g-import-not-at-top
   gc.unfreeze()  # the interpreter's start-up objects, if it froze them: so that the compile's freeze shows
   seen = []
 
@@ -923,7 +923,6 @@ def test_an_abandoned_compile_ahead_drops_the_jobs_not_begun():
 def test_a_failed_set_up_leaves_no_compile_running(tmp_path, monkeypatch):
   """An initializer that fails (out of memory, say) ends the run's set-up only once the steps' compile begun ahead
   has ended, the eval step's dropped: a study's next run does not compile beside it."""
-  from fp4jax import platform
 
   def compile_initializer(*args, **kwargs):
     raise RuntimeError("RESOURCE_EXHAUSTED: the initializer")
