@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     module.add_args(sub.add_parser(name, help=help_, description=summary))
   args = parser.parse_args(argv)
   platform.set_xla_flags()  # before JAX starts a backend; an XLA_FLAGS the user set keeps its values
+  platform.set_jax_options()  # an option the user set in the environment keeps its value
 
   def run():
     if args.kernels_first != "off" and args.command not in KERNELS_FIRST:

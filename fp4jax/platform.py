@@ -1,6 +1,6 @@
 """Which platform JAX is compiling for, where a choice depends on it (the quantizer implementation "auto", the
-fp8 GEMM's output dtype, the attention kernel), and process-wide set-up: the XLA flags and JAX's persistent
-compilation cache the apps (train, bench) start with, the garbage collector's freeze they compile in
+fp8 GEMM's output dtype, the attention kernel), and process-wide set-up: the XLA flags, JAX options and JAX's
+persistent compilation cache the apps (train, bench) start with, the garbage collector's freeze they compile in
 (`old_objects_frozen`), and the Triton dialect's module name that the Pallas kernels' package registers when it
 is imported (`alias_triton_dialect_module`).
 
@@ -93,6 +93,27 @@ def deterministic_ops() -> bool:
     settings[name] = value.lower() in ("", "true", "1")
   return any(settings.get(f"--xla_gpu_{name}", False)
              for name in ("deterministic_ops", "exclude_nondeterministic_ops"))
+
+
+# JAX options the apps start with (`set_jax_options`):
+#  * jax_traceback_in_locations_limit=1: each instruction's metadata in the HLO that XLA compiles holds the
+#    innermost frame of the user code that made it, not the Python call stack (JAX keeps up to 100 frames).
+#    XLA:GPU walks every instruction's stack, comparing stacks frame by frame, when it builds an executable's
+#    profiler annotations, on the thread that compiles: 0.39 s of a Llama-30M nvfp4 step's compile for an H200
+#    on a CPU with the full stacks ("Session of 2026-12-07, 09:24 UTC" in docs/BENCHMARKS.md has the rest).
+#    The op names (the name stack, jit(...)/scope/op, which profiles show and `bench step`'s breakdown reads)
+#    stay whole. jax_include_full_tracebacks_in_locations=False, which also keeps one frame, drops them in JAX
+#    0.11.2 (the op name is the bare primitive's).
+DEFAULT_JAX_OPTIONS = (("jax_traceback_in_locations_limit", 1),)
+
+
+def set_jax_options(options: tuple[tuple[str, object], ...] = DEFAULT_JAX_OPTIONS) -> dict[str, object]:
+  """Sets each (name, value) of `options` with `jax.config.update`, unless the environment variable of the
+  name in upper case is set (the user's choice wins: JAX read it when it was imported); returns what it set."""
+  chosen = {name: value for name, value in options if name.upper() not in os.environ}
+  for name, value in chosen.items():
+    jax.config.update(name, value)
+  return chosen
 
 
 def set_xla_flags(flags: tuple[str, ...] = DEFAULT_XLA_FLAGS) -> str:

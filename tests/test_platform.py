@@ -1,5 +1,5 @@
-"""fp4jax.platform: the target platform, the apps' XLA flags, the shared persistent compilation cache and the
-garbage collector's freeze the apps compile in."""
+"""fp4jax.platform: the target platform, the apps' XLA flags and JAX options, the shared persistent compilation
+cache and the garbage collector's freeze the apps compile in."""
 
 import gc
 import importlib
@@ -30,6 +30,48 @@ def test_set_xla_flags_keeps_the_users_values(monkeypatch):
   assert got == "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x --xla_gpu_autotune_level=4"
   monkeypatch.delenv("XLA_FLAGS")
   assert platform.set_xla_flags() == " ".join(platform.DEFAULT_XLA_FLAGS)
+
+
+FRAMES = "jax_traceback_in_locations_limit"
+
+
+@pytest.fixture
+def jax_options_restored():
+  """The JAX options `set_jax_options` sets by default, as they were before the test."""
+  before = {name: getattr(jax.config, name) for name, _ in platform.DEFAULT_JAX_OPTIONS}
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+
+
+def test_set_jax_options_keeps_the_users_values(monkeypatch, jax_options_restored):
+  monkeypatch.delenv(FRAMES.upper(), raising=False)
+  jax.config.update(FRAMES, 100)
+  assert platform.set_jax_options() == {FRAMES: 1}
+  assert getattr(jax.config, FRAMES) == 1
+  monkeypatch.setenv(FRAMES.upper(), "10")  # JAX read it at import; here it stands for the user's choice
+  jax.config.update(FRAMES, 10)
+  assert platform.set_jax_options() == {}
+  assert getattr(jax.config, FRAMES) == 10
+
+
+def _called_from_here(x):
+  with jax.named_scope("fp4jax_test_scope"):
+    return jnp.sin(x) * 2
+
+
+def test_the_apps_hlo_holds_one_frame_per_op_and_whole_op_names(monkeypatch, jax_options_restored):
+  """What the options change: an operation's location is the frame that made it, not a chain of call sites
+  (from which XLA:GPU builds each instruction's stack), and its op name keeps the name stack."""
+  monkeypatch.delenv(FRAMES.upper(), raising=False)
+  lowered = lambda: jax.jit(lambda x: _called_from_here(x) + 1).lower(jnp.ones(4))  # a new function: not cached
+  jax.config.update(FRAMES, 100)
+  assert "callsite(" in lowered().as_text(debug_info=True)
+  platform.set_jax_options()
+  located = lowered().as_text(debug_info=True)
+  assert "callsite(" not in located and "test_platform.py" in located
+  compiled = lowered().compile().as_text()
+  assert 'op_name="jit(<lambda>)/fp4jax_test_scope/sin"' in compiled
 
 
 @pytest.mark.parametrize("flags, error, match", [

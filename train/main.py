@@ -80,10 +80,12 @@ def enable_compilation_cache(setting: str, what: str) -> None:
 
 
 def start_jax(cfg: Config) -> types.ModuleType:
-  """Imports JAX with this run's XLA flags and compilation cache (and multi-host set-up); returns the module."""
+  """Imports JAX with this run's XLA flags, JAX options and compilation cache (and multi-host set-up); returns the
+  module."""
   import jax
   from fp4jax import platform
   platform.set_xla_flags()  # before JAX starts a backend; flags the user set in XLA_FLAGS keep their values
+  platform.set_jax_options()  # an option the user set in the environment keeps its value
   enable_compilation_cache(cfg.run.compile_cache, "run.compile_cache")
   if os.environ.get("FP4JAX_DISTRIBUTED") == "1":
     jax.distributed.initialize()  # coordinator/process ids from the environment (see train/train.py)

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -891,6 +892,19 @@ def test_a_step_traces_with_old_objects_frozen():
   np.testing.assert_array_equal(program(jnp.arange(4.0)), 2 * np.arange(4.0))
   assert seen and seen[0] > 0, seen
   assert gc.get_freeze_count() == 0
+
+
+def test_start_jax_sets_the_apps_xla_flags_and_jax_options_first(monkeypatch):
+  """`python -m train` sets XLA's flags and JAX's options (the user's environment winning, `platform`'s tests)
+  before the compilation cache; a stand-in records the order."""
+  calls = []
+  monkeypatch.setattr(platform, "set_xla_flags", lambda: calls.append("xla flags"))
+  monkeypatch.setattr(platform, "set_jax_options", lambda: calls.append("jax options"))
+  monkeypatch.setattr(main_lib, "enable_compilation_cache", lambda setting, what: calls.append(f"cache {setting}"))
+  monkeypatch.delenv("FP4JAX_DISTRIBUTED", raising=False)
+  cfg = types.SimpleNamespace(run=types.SimpleNamespace(compile_cache="off"))
+  assert main_lib.start_jax(cfg) is jax
+  assert calls == ["xla flags", "jax options", "cache off"]
 
 
 def _compiling_ahead() -> bool:
