@@ -6,6 +6,7 @@
   python -m bench compile --step 30m --passes 25 ...       and the 25 XLA compile events that took longest
   python -m bench compile --step 30m --repeat 5 ...        each first call in 5 fresh processes: medians
   python -m bench compile --step 30m --h200 --xla ...      compiled for an H200 by XLA:GPU, without a GPU
+  python -m bench compile --step 30m --kernels ...         and each Pallas launch compiled alone, slowest first
 
 Each row splits the first call into its phases: tracing (Python: jaxpr of the step), lowering (StableHLO, with
 every Pallas kernel's Triton IR) and XLA compilation (passes, GEMM autotuning, Triton -> PTX of each kernel),
@@ -46,6 +47,12 @@ A rough one: XLA compiles each launch configuration, not each IR, on parallel th
 of a kernel can take several times the proxy's (docs/BENCHMARKS.md, H200 session of 2026-12-03, 06:55); on a
 GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, PTX->CUBIN).
 
+`--kernels` (on a GPU, or with `--h200 --xla`) then compiles each distinct Pallas launch of the program alone
+with XLA, one after another, and lists them slowest first (kernel, grid, largest operand, kernel equations,
+seconds): XLA compiles each launch as one job of its pool after the HLO passes, so on a host of many CPUs the
+slowest launch, not their sum, is what the program's compile waits for, and a kernel that compiles slowly shows
+here by name (the `triton` package's proxy above times the IR, this XLA's own compile).
+
 `--repeat N` (with `--step`) measures each route's first call N times, each in a fresh process (what a
 training run pays when it starts), the routes interleaved round by round so that drift of the host spreads
 over all of them, and ends with each route's median and range and the medians' ratios to bf16's: on the
@@ -71,6 +78,7 @@ import contextlib
 import glob
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -120,6 +128,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", type=args_lib.out_file, help="write the rows as JSON to this file (replaced)")
   parser.add_argument("--hlo", metavar="DIR", type=args_lib.out_dir,
                       help="write each compiled program's optimized HLO text here")
+  parser.add_argument("--kernels", action="store_true",
+                      help="after each compiled step (a GPU, or --h200 --xla): each distinct Pallas launch compiled "
+                           "alone by XLA, longest first")
   parser.add_argument("--triton", action="store_true",
                       help="with --h200: compile each distinct Pallas kernel's Triton IR for sm_90 with the `triton` "
                            "package and print the seconds (a proxy for that share of XLA's compile)")
@@ -351,13 +362,16 @@ def _on(mesh: jax.sharding.Mesh, tree):
 
 
 def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passes: int = 0,
-            triton_compile: bool = False, keep_hlo: bool = False, kernels_first: dict | None = None) -> dict:
+            triton_compile: bool = False, keep_hlo: bool = False, kernels_first: dict | None = None,
+            kernels: bool = False) -> dict:
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
   `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
   `kernels_first`: `fp4jax.compiling.kernels_first`'s keywords (None: compile as jax.jit does); the Pallas
   kernels then compile alone while the program lowers, and "lower" includes waiting for them.
-  `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled)."""
+  `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled).
+  `kernels`: the result's "kernels_alone" has each distinct Pallas launch compiled alone, after the program
+  (`kernel_compiles`; None where nothing compiled)."""
   lowering_only = h200 and xla is None  # --h200 without --xla: nothing compiles
   if xla is not None:
     target, args = jax.set_mesh(xla), _on(xla, args)
@@ -380,6 +394,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
         compiled = compiling.compile_lowered(lowered, options, report)
         compile_s = time.perf_counter() - t2
   compiled_hlo = compiled.as_text() if compiled is not None else None
+  alone = kernel_compiles(traced, xla) if kernels and not lowering_only else None
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -389,8 +404,35 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "singles": singles[:passes], "threads": thread_use(singles) if singles else None,
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
-          "kernels_first": report.kernels, "kernels_first_s": report.kernel_s,
+          "kernels_first": report.kernels, "kernels_first_s": report.kernel_s, "kernels_alone": alone,
           "compiled_hlo": compiled_hlo if keep_hlo else None}
+
+
+def kernel_compiles(traced, mesh: jax.sharding.Mesh | None) -> list[dict]:
+  """Each distinct Triton launch of `traced` (`fp4jax.compiling.triton_launches`) compiled alone by XLA, one
+  after another on this machine (under `mesh`: `--h200 --xla`'s, or None for the GPU's default device), slowest
+  first: its kernel name (without the launch digest), grid, largest operand's shape, kernel equations and
+  seconds. XLA compiles each launch of a program as one job of its compile pool, after the program's HLO
+  passes: the slowest launch bounds how soon the program's compile can end, however many CPUs the pool has
+  (docs/BENCHMARKS.md, "CPU session of 2026-12-07, 11:24 UTC")."""
+  rows = []
+  for launch in compiling.triton_launches(traced.jaxpr.jaxpr):
+    operand = max(launch.avals, key=lambda a: math.prod(a.shape))
+    rows.append({"kernel": common.without_launch_digests(launch.name), "grid": launch.params["grid_mapping"].grid,
+                 "shape": tuple(operand.shape), "equations": len(launch.params["jaxpr"].eqns),
+                 "seconds": compiling.compile_alone(launch, mesh)})
+  return sorted(rows, key=lambda r: -r["seconds"])
+
+
+def _kernels_lines(rows: list[dict]) -> list[str]:
+  if not rows:
+    return ["      pallas launches compiled alone: none"]
+  seconds = [r["seconds"] for r in rows]
+  lines = [f"      pallas launches compiled alone by XLA, one after another: {len(rows)} in {sum(seconds):.1f} s, "
+           f"slowest {seconds[0]:.2f} s"]
+  lines += [f"      {r['seconds']:7.2f} s  {r['kernel']}  grid {'x'.join(map(str, r['grid']))}  "
+            f"operand {'x'.join(map(str, r['shape']))}  {r['equations']} equations" for r in rows]
+  return lines
 
 
 def _lower_abstract(traced):
@@ -425,11 +467,13 @@ def _line(name: str, p: dict) -> str:
     lines += [f"      {e.seconds:7.2f} s  at {e.start:6.2f} s  {e.thread[:24]:24s}  {e.name}" for e in p["singles"]]
   if p.get("threads"):
     lines.append(f"      {threads_line(p['threads'])}")
+  if p.get("kernels_alone") is not None:
+    lines += _kernels_lines(p["kernels_alone"])
   return "\n".join(lines)
 
 
 _ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels",
-             "kernels_first", "kernels_first_s")
+             "kernels_first", "kernels_first_s", "kernels_alone")
 
 
 def _row(name: str, route: str, phases: dict) -> dict:
@@ -537,6 +581,9 @@ def run(args: argparse.Namespace) -> None:
   if args.passes and args.h200 and not args.xla:
     raise UserError("bench compile: --passes lists XLA's compile events, and --h200 only lowers (no compile); "
                     "add --xla or drop --h200")
+  if args.kernels and ((args.h200 and not args.xla) or args.warm or args.repeat > 1):
+    raise UserError("bench compile: --kernels compiles each Pallas launch alone, cold, after the program: on a GPU "
+                    "or with --h200 --xla, without --warm or --repeat")
   if args.triton and importlib.util.find_spec("triton") is None:
     raise UserError("bench compile: --triton needs the `triton` package (pip install triton==3.5.1)")
   if args.xla:  # before JAX starts its backends: the CUDA plugin's version checks need a GPU driver
@@ -563,7 +610,7 @@ def run(args: argparse.Namespace) -> None:
               f"{' unfused' if args.unfused_linears else ''} {batch}x{seq} {route}")
       phases = _phases(step, (state, tokens, jax.ShapeDtypeStruct((), jnp.int32)), h200=args.h200, xla=xla,
                        passes=args.passes, triton_compile=args.triton, keep_hlo=bool(args.hlo),
-                       kernels_first=args_lib.kernels_first(args, cache=args.warm))
+                       kernels_first=args_lib.kernels_first(args, cache=args.warm), kernels=args.kernels)
       print(_line(name, phases), flush=True)
       _write_hlo(args.hlo, name, phases)
       rows.append(_row(name, route, phases))
@@ -580,7 +627,8 @@ def run(args: argparse.Namespace) -> None:
       fwd, fwd_bwd = dot.fp4_dot_fns(route, key)
       for name, fn, fargs in (("fwd", fwd, (x, w)), ("fwd+bwd", fwd_bwd, (x, w, dy))):
         phases = _phases(fn, fargs, h200=args.h200, xla=xla, passes=args.passes, triton_compile=args.triton,
-                         keep_hlo=bool(args.hlo), kernels_first=args_lib.kernels_first(args, cache=args.warm))
+                         keep_hlo=bool(args.hlo), kernels_first=args_lib.kernels_first(args, cache=args.warm),
+                         kernels=args.kernels)
         print(_line(f"{sname} {route} {name}", phases), flush=True)
         _write_hlo(args.hlo, f"{sname} {route} {name}", phases)
         rows.append(_row(f"{sname} {route} {name}", route, phases))

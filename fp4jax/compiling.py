@@ -133,13 +133,18 @@ def standalone_arg(aval, mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
 
 
-def _compile_alone(launch: Launch, path: str, mesh) -> None:
+def compile_alone(launch: Launch, mesh=None, kernel_file: str | None = None) -> float:
   """Compiles `launch` as a program of its own (under the caller's concrete `mesh`, None for none), its kernel
-  written to the kernel file `path`."""
+  written to the kernel file `kernel_file` where one is named; returns the seconds it took (lowering included).
+  Alone, a launch compiles as one job of XLA's pool compiles it inside a program: the longest of a program's
+  launches is the least its compile waits for them (`bench compile --kernels`)."""
   args = [standalone_arg(a, mesh) for a in launch.avals]
   fn = jax.jit(lambda *ops: launch.primitive.bind(*ops, **launch.params))
+  options = None if kernel_file is None else {KERNEL_CACHE_OPTION: kernel_file}
+  t0 = time.perf_counter()
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    fn.trace(*args).lower().compile(compiler_options={KERNEL_CACHE_OPTION: path})
+    fn.trace(*args).lower().compile(compiler_options=options)
+  return time.perf_counter() - t0
 
 
 # The kernel file is XLA's CompilationCacheProto: entries (field 1, map<string name, entry>; the entry's field 1
@@ -270,7 +275,7 @@ def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
         # The largest kernel bodies first (their equations: a proxy of their compile time), so that with fewer
         # threads than launches the last to finish is a short one.
         order = sorted(range(len(launches)), key=lambda i: -len(launches[i].params["jaxpr"].eqns))
-        jobs = {i: pool.submit(_compile_alone, launches[i], paths[i], mesh) for i in order}
+        jobs = {i: pool.submit(compile_alone, launches[i], mesh, paths[i]) for i in order}
         lowered = traced.lower()  # meanwhile: XLA compiles the kernels without holding the GIL
         for i, launch in enumerate(launches):
           if jobs[i].exception() is not None:

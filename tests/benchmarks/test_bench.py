@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import pytest
 from bench import compile as compile_bench
 from bench import breakdown, dot, flax_fp8, program, quantize, step, timing, triton
 from bench.__main__ import main
-from fp4jax import platform
+from fp4jax import compiling, platform
 
 _CUDA_PLUGIN = compile_bench.cuda_plugin_installed()
 # `--h200` without `--xla` only lowers, for an abstract H200: where JAX's CUDA plugin is installed (any GPU host) the
@@ -70,6 +71,35 @@ def test_bench_compile_passes_lists_xla_compile_events(capsys):
   seconds = [s for s, _ in singles[:3]]
   assert seconds == sorted(seconds, reverse=True), singles  # longest first
   assert len([l for l in out if l.strip().startswith("threads: calling (")]) == 2, out  # one per compile
+
+
+def test_bench_compile_kernels_on_a_cpu_finds_no_launch(capsys):
+  """`--kernels` on a CPU: the kernels run in interpret mode, no Triton launch compiles alone (one line per
+  compile says so)."""
+  main(["--compile-cache", "off", "compile", "--small", "--shapes", "0", "--routes", "mxfp4", "--kernels"])
+  out = capsys.readouterr().out.splitlines()
+  assert [l.strip() for l in out if "pallas launches" in l] == ["pallas launches compiled alone: none"] * 2, out
+
+
+def test_kernel_compiles_lists_each_launch_slowest_first(monkeypatch):
+  """`bench compile --kernels`: one row per distinct launch, slowest first, named without its launch digest,
+  with its grid, largest operand and equation count; the printed lines follow the rows."""
+  def launch(name, grid, shapes, eqns):
+    params = {"grid_mapping": types.SimpleNamespace(grid=grid), "jaxpr": types.SimpleNamespace(eqns=[0] * eqns)}
+    return compiling.Launch(name, None, params, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+  launches = [launch("fp4jax_amax_0123456789abk", (8,), [(4,), (64, 32)], 10),
+              launch("fp4jax_quantize_dual_abcdefabcdefk", (16,), [(2, 16), (32, 2, 64)], 30)]
+  seconds = {launches[0].name: 0.25, launches[1].name: 0.5}
+  monkeypatch.setattr(compiling, "triton_launches", lambda jaxpr: launches)
+  monkeypatch.setattr(compiling, "compile_alone", lambda l, mesh: seconds[l.name])
+  traced = types.SimpleNamespace(jaxpr=types.SimpleNamespace(jaxpr=None))
+  rows = compile_bench.kernel_compiles(traced, None)
+  assert [(r["kernel"], r["grid"], r["shape"], r["equations"], r["seconds"]) for r in rows] == [
+      ("fp4jax_quantize_dual", (16,), (32, 2, 64), 30, 0.5), ("fp4jax_amax", (8,), (64, 32), 10, 0.25)]
+  lines = compile_bench._kernels_lines(rows)  # pylint: disable=protected-access
+  assert "2 in 0.8 s, slowest 0.50 s" in lines[0]
+  assert lines[1].split() == ["0.50", "s", "fp4jax_quantize_dual", "grid", "16", "operand", "32x2x64", "30",
+                              "equations"]
 
 
 def test_compile_events_single_events_sum_to_the_totals():
@@ -216,6 +246,8 @@ def test_cli_errors():
     (["compile", "--small", "--repeat", "2", "--routes", "bf16"], "--repeat times whole steps' first calls"),
     (["compile", "--step", "tiny", "--h200", "--repeat", "2", "--routes", "bf16"], "without --h200"),
     (["compile", "--step", "tiny", "--repeat", "2", "--hlo", "x", "--routes", "bf16"], "--triton or --hlo"),
+    (["compile", "--step", "tiny", "--h200", "--kernels", "--routes", "mxfp4"], "--kernels compiles each Pallas"),
+    (["compile", "--step", "tiny", "--repeat", "2", "--kernels", "--routes", "bf16"], "without --warm or --repeat"),
     (["dot", "--small", "--shapes", "0", "3", "--routes", "bf16"],
      r"--shapes 3 is no shape; the --small shapes are 0: up"),
     (["diagnose", "--linears", "layers.0.attn.qq", "--routes", "mxfp4"],
