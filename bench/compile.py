@@ -414,7 +414,7 @@ def kernel_compiles(traced, mesh: jax.sharding.Mesh | None) -> list[dict]:
   first: its kernel name (without the launch digest), grid, largest operand's shape, kernel equations and
   seconds. XLA compiles each launch of a program as one job of its compile pool, after the program's HLO
   passes: the slowest launch bounds how soon the program's compile can end, however many CPUs the pool has
-  (docs/BENCHMARKS.md, "CPU session of 2026-12-07, 11:24 UTC")."""
+  (docs/BENCHMARKS.md, "Session of 2026-12-07, 11:24 UTC")."""
   rows = []
   for launch in compiling.triton_launches(traced.jaxpr.jaxpr):
     operand = max(launch.avals, key=lambda a: math.prod(a.shape))

@@ -27,8 +27,10 @@ grid of that many blocks: fp4jax's kernels launch on one axis (`ops.quantize.pal
 the file records whole. Before they did, such programs ran wrong on an H100 (NaNs, an input overwritten;
 docs/BENCHMARKS.md, 2026-12-05); since, they give the bits of the program compiled alone there.
 
-Opt-in in `train` and `bench` (off by default): on an H100's 16-CPU host it saved 0-1 s of the Llama-30M steps'
-first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Session of 2026-12-05, 13:48").
+Opt-in in `train` and `bench` (off by default): on H100 hosts of 16 CPUs it saved 0-1 s of the Llama-30M steps'
+first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Session of 2026-12-05, 13:48"), and
+on 2026-12-07 nothing: the program's compile was 1.5 s shorter, the lowering waited 1.4 s longer for the kernels,
+whose slowest took 1.7 s alone ("Session of 2026-12-07, 11:24 UTC").
 """
 
 from __future__ import annotations

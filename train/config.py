@@ -193,7 +193,7 @@ class RunConfig:
   compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (platform.default_cache_dir), "none"
   # (or "off"), or a path
   kernels_first: bool = False  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling;
-  # opt-in: 0-1 s saved on a 30M step's first call, docs/BENCHMARKS.md 2026-12-05)
+  # opt-in: 0-1 s saved on a 30M step's first call, docs/BENCHMARKS.md 2026-12-05 and 2026-12-07)
 
   def __post_init__(self):
     expand_home(self, "out_dir")
