@@ -51,7 +51,7 @@ GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, P
 with XLA, one after another, and lists them slowest first (kernel, grid, largest operand, kernel equations,
 seconds): XLA compiles each launch as one job of its pool after the HLO passes, so on a host of many CPUs the
 slowest launch, not their sum, is what the program's compile waits for, and a kernel that compiles slowly shows
-here by name (the `triton` package's proxy above times the IR, this XLA's own compile).
+here by name (the `triton` package's proxy above times the IR; this times XLA's own compile).
 
 `--repeat N` (with `--step`) measures each route's first call N times, each in a fresh process (what a
 training run pays when it starts), the routes interleaved round by round so that drift of the host spreads
@@ -425,6 +425,7 @@ def kernel_compiles(traced, mesh: jax.sharding.Mesh | None) -> list[dict]:
 
 
 def _kernels_lines(rows: list[dict]) -> list[str]:
+  """`kernel_compiles`' rows as `_line` prints them: a summary, then one line per launch."""
   if not rows:
     return ["      pallas launches compiled alone: none"]
   seconds = [r["seconds"] for r in rows]

@@ -138,8 +138,8 @@ def standalone_arg(aval, mesh) -> jax.ShapeDtypeStruct:
 def compile_alone(launch: Launch, mesh=None, kernel_file: str | None = None) -> float:
   """Compiles `launch` as a program of its own (under the caller's concrete `mesh`, None for none), its kernel
   written to the kernel file `kernel_file` where one is named; returns the seconds it took (lowering included).
-  Alone, a launch compiles as one job of XLA's pool compiles it inside a program: the longest of a program's
-  launches is the least its compile waits for them (`bench compile --kernels`)."""
+  Inside a program XLA compiles each launch as one job of its pool, so the slowest launch alone bounds how soon
+  the program's compile can end (`bench compile --kernels` lists them, slowest first)."""
   args = [standalone_arg(a, mesh) for a in launch.avals]
   fn = jax.jit(lambda *ops: launch.primitive.bind(*ops, **launch.params))
   options = None if kernel_file is None else {KERNEL_CACHE_OPTION: kernel_file}
