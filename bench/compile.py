@@ -367,8 +367,9 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
   """Seconds of trace, lower and compile of `jax.jit(fn)(*args)` and the kernel counts (and with `passes`,
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
   `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
-  `kernels_first`: `fp4jax.compiling.kernels_first`'s keywords (None: compile as jax.jit does); the Pallas
-  kernels then compile alone while the program lowers, and "lower" includes waiting for them.
+  `kernels_first`: `fp4jax.compiling.KernelsFirst`'s keywords (None: compile as jax.jit does); the Pallas
+  kernels then compile alone from their trace on, while the program traces and lowers, and "lower" includes
+  waiting for them.
   `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled).
   `kernels`: the result's "kernels_alone" has each distinct Pallas launch compiled alone, after the program
   (`kernel_compiles`; None where nothing compiled)."""
@@ -377,22 +378,21 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     target, args = jax.set_mesh(xla), _on(xla, args)
   else:
     target = triton.on_abstract_h200() if h200 else contextlib.nullcontext()
-  with target as modules, platform.old_objects_frozen():  # as train and `bench step` compile
+  # lowered only: nothing compiles, so no kernel either
+  first = compiling.KernelsFirst(**({"threads": 0} if lowering_only or not kernels_first else kernels_first))
+  with target as modules, platform.old_objects_frozen(), first:  # as train and `bench step` compile
     t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
+    traced = first.trace(jax.jit(fn), *args)  # kernels first: each starts compiling as it is traced
     t1 = time.perf_counter()
-    if lowering_only:
-      prepared = contextlib.nullcontext((_lower_abstract(traced), {}, compiling.Report()))
-    else:
-      prepared = compiling.kernels_first(traced, **(kernels_first or {"threads": 0}))
-    with prepared as (lowered, options, report):
-      t2 = time.perf_counter()
-      compile_s, events, singles, compiled = None, [], [], None
-      if not lowering_only and passes:
-        compile_s, events, singles, compiled = compile_events(lowered, options)
-      elif not lowering_only:
-        compiled = compiling.compile_lowered(lowered, options, report)
-        compile_s = time.perf_counter() - t2
+    lowered, options = (_lower_abstract(traced), {}) if lowering_only else first.lower(traced)
+    t2 = time.perf_counter()
+    compile_s, events, singles, compiled = None, [], [], None
+    if not lowering_only and passes:
+      compile_s, events, singles, compiled = compile_events(lowered, options)
+    elif not lowering_only:
+      compiled = compiling.compile_lowered(lowered, options, first.report)
+      compile_s = time.perf_counter() - t2
+  report = first.report
   compiled_hlo = compiled.as_text() if compiled is not None else None
   alone = kernel_compiles(traced, xla) if kernels and not lowering_only else None
   sites, distinct, launches = kernel_counts(lowered.as_text())

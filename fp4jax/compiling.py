@@ -11,11 +11,12 @@ side by side, that gains little (docs/BENCHMARKS.md, "Session of 2026-12-07, 06:
 
 How: XLA's kernel reuse cache (the `xla_gpu_kernel_cache_file` option). For a Triton call its key is the call's
 backend configuration: kernel name, Triton IR, grid, warps and stages, so a kernel compiled in a program of its
-own is taken by any program that holds the same call. `compile_program` traces the program, compiles each
-distinct Triton launch of its jaxpr alone on a thread pool, each into a file of its own, while the main thread
-lowers the program; merges the files (entries of those kernels only; a name met with two keys is left out);
-and compiles the program with the merged file. XLA reserves every name in the file before it names new
-kernels and takes a cached kernel only for an equal key, so the program runs the code it would run otherwise.
+own is taken by any program that holds the same call. `compile_program` (`KernelsFirst`) compiles each distinct
+Triton launch alone on a thread pool, each into a file of its own, from the moment the launch is traced
+(`bind_launch`), while the main thread traces and lowers the program, its threads at a lower CPU priority than
+that thread (`_yield_the_cpu`); merges the files (entries of the program's kernels only; a name met with two keys
+is left out); and compiles the program with the merged file. XLA reserves every name in the file before it names
+new kernels and takes a cached kernel only for an equal key, so the program runs the code it would run otherwise.
 The file is keyed by kernel name, so reuse needs one name per launch configuration: fp4jax's kernels are named
 so (`ops.quantize.pallas.common.launch_name`); kernels of other names compile as before, in the program.
 
@@ -37,17 +38,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import hashlib
 import os
 import pathlib
 import shutil
 import tempfile
+import threading
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
+import jax.extend
 
 from fp4jax import platform
 
@@ -67,13 +72,15 @@ class Launch:
 
 @dataclasses.dataclass
 class Report:
-  """What `kernels_first` and `compile_lowered` did: launches compiled alone (`kernels`; 0 when none was, or
-  the program's kernel file was there already), on how many threads, the seconds from their start to the last
+  """What `KernelsFirst` and `compile_lowered` did: the program's launches compiled alone (`kernels`; 0 when none
+  was, or the program's kernel file was there already), how many of them started while it traced (`traced`), on
+  how many threads, the seconds from their start to the last
   one's end (`kernel_s`, overlapping the lowering), the launches that failed to compile alone (`failed`), how
   long the program's own compile then took (`program_s`), and why it compiled without the kernel file
   (`fallback`, None if it did not)."""
 
   kernels: int = 0
+  traced: int = 0
   threads: int = 0
   kernel_s: float = 0.0
   program_s: float = 0.0
@@ -84,8 +91,8 @@ class Report:
     """One line on how the kernels compiled ("" where none compiled alone and nothing went wrong)."""
     parts = []
     if self.kernels:
-      parts.append(f"{self.kernels} Pallas kernels compiled first on {self.threads} threads in "
-                   f"{self.kernel_s:.1f} s, then the program in {self.program_s:.1f} s")
+      parts.append(f"{self.kernels} Pallas kernels compiled first ({self.traced} from their trace on) on "
+                   f"{self.threads} threads in {self.kernel_s:.1f} s, then the program in {self.program_s:.1f} s")
     if self.failed:
       parts.append(f"{len(self.failed)} kernels left to the program ({', '.join(self.failed[:3])})")
     if self.fallback:
@@ -122,6 +129,26 @@ def triton_launches(jaxpr) -> list[Launch]:
 
   visit(jaxpr)
   return list(seen.values())
+
+
+# Set while a `KernelsFirst` traces on this thread (a context variable: its pool's threads do not inherit it):
+# what `bind_launch` hands each traced launch to.
+_collector: contextvars.ContextVar[Callable[[Launch], None] | None] = contextvars.ContextVar(
+    "fp4jax_kernels_first", default=None)
+
+
+def bind_launch(launch: Callable, *args):
+  """`launch(*args)`, a `pl.pallas_call`'s launch (`ops.quantize.pallas.common.pallas_call` binds every fp4jax
+  kernel here). While a `KernelsFirst` traces on this thread, the launch is traced to its own jaxpr first and
+  handed over (each Triton `pallas_call` in it, `triton_launches`), then bound from that jaxpr: its kernel starts
+  compiling alone while the rest of the program traces, and its body is traced once."""
+  collect = _collector.get()
+  if collect is None:
+    return launch(*args)
+  closed, shapes = jax.make_jaxpr(launch, return_shape=True)(*args)
+  for found in triton_launches(closed.jaxpr):
+    collect(found)
+  return jax.tree.unflatten(jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(closed)(*args))
 
 
 def standalone_arg(aval, mesh) -> jax.ShapeDtypeStruct:
@@ -213,6 +240,20 @@ def _digest(text: str) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@functools.cache
+def _sources_digest() -> str:
+  """A digest of JAX's version and fp4jax's sources: a kept kernel file is taken only by the code it was compiled
+  from (a launch's name fixes its configuration, not its kernel's code)."""
+  text = jax.__version__ + "".join(p.read_text() for p in sorted(pathlib.Path(__file__).parent.rglob("*.py")))
+  return _digest(text)
+
+
+def _file_name(launch: Launch) -> str:
+  """The name of `launch`'s kernel file: its kernel name after a digest of the launch and of the code."""
+  return _digest(repr((launch.name, launch.avals, repr(launch.params["grid_mapping"]), _sources_digest()))) + \
+      "-" + launch.name
+
+
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
   """Writes `path` through a temporary file and a rename: a process reading it sees the old or the new file."""
   tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -220,76 +261,149 @@ def _write_atomically(path: pathlib.Path, data: bytes) -> None:
   os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
-                  directory: str | os.PathLike | None = None) -> Iterator[tuple[jax.stages.Lowered, dict, Report]]:
-  """Inside: (the lowered program, the compiler options that hand it its kernels, a `Report`). Compiles the
-  distinct Triton launches of `traced` alone on `threads` threads while it lowers the program, and merges their
-  kernels into the program's kernel file (module docstring). threads: 0 (the default) compiles the program as
-  `jax.jit` does; None one per usable CPU but one, none below 2 (with one thread the kernels would compile one
-  after the other, as in the program).
+KERNEL_NICENESS = 10
 
-  Off by default (module docstring: what it saves).
 
-  The options are empty where nothing is to gain: no Triton launch (CPU, interpret mode), or `threads=0`. A
-  launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a
+def _yield_the_cpu() -> None:
+  """Lowers the calling thread's CPU priority (Linux: niceness per thread, inherited by the `ptxas` processes
+  XLA starts from it), so that kernels compiling alone take the CPUs the tracing and lowering thread leaves
+  idle, not that thread's share. Elsewhere, or where it is refused, the priority stays."""
+  with contextlib.suppress(AttributeError, OSError):
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), KERNEL_NICENESS)
+
+
+class KernelsFirst:
+  """A program's Triton kernels compiled alone, in parallel, before the program (module docstring), in steps:
+
+    with KernelsFirst(threads=None, directory=None) as first:
+      traced = first.trace(jitted, *args)      # each launch starts compiling as soon as it is traced
+      lowered, options = first.lower(traced)   # the rest start; the program lowers; the kernels are waited for
+      compiled = compile_lowered(lowered, options, first.report)
+
+  threads: 0 (the default) compiles the program as `jax.jit` does; None one per usable CPU but one, none below 2
+  (with one thread the kernels would compile one after the other, as in the program). The options are empty
+  where nothing is to gain: no Triton launch (CPU, interpret mode), or no thread.
+
+  `trace` hands each fp4jax launch to the pool as its kernel is traced (`bind_launch`), so the slowest kernels
+  compile while the rest of the program traces and lowers, instead of from the end of the trace on (where the
+  lowering then waited 1.4 s for them on an H100 host: docs/BENCHMARKS.md, "Session of 2026-12-07, 11:24 UTC").
+  `lower` adds the launches the trace did not hand over (kernels traced before, whose traces JAX reused; other
+  libraries' kernels). A launch the trace handed over that the program does not run (fp4_dot's custom_vjp
+  primal, traced and then differentiated) compiles for nothing; its kernel is not put in the program's file.
+
+  A launch that fails to compile alone is left to the program (`Report.failed`): possibly those inside a
   `shard_map`, whose operands vary over mesh axes, which on a mesh of several GPUs every X and dY quantizer is
   (`ops.quantize.pallas.rows`; not yet tried on such a mesh).
   directory: where the kernel files are kept. None: a temporary directory, deleted on exit. A directory that
-  persists (beside JAX's persistent compilation cache: `platform.kernel_cache_dir`) keeps the program's kernel
-  file, named by its kernels: a later compile of a program with the same kernels takes that file and compiles
-  no kernel alone (XLA adds the program's other kernels to it, and replaces a kernel whose code changed), and
-  the file's path, part of JAX's cache key, stays the same from one run to the next.
+  persists (beside JAX's persistent compilation cache: `platform.kernel_cache_dir`) keeps each kernel's file and
+  the program's, named by its kernels: a launch whose file is there compiles no more, and a later compile of a
+  program with the same kernels takes the program's file (XLA adds the program's other kernels to it, and
+  replaces a kernel whose code changed); the file's path, part of JAX's cache key, stays the same from one run
+  to the next.
   """
-  if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
-    # checked here: with no Triton launch (a CPU) the value would not be read, and a GPU would fail on it later
-    raise ValueError(f"kernels_first's threads takes an int >= 0 or None (one per usable CPU but one), got "
-                     f"{threads!r}")
-  launches = triton_launches(traced.jaxpr.jaxpr)
-  if threads is None:
-    cpus = platform.usable_cpus()
-    threads = cpus - 1 if cpus > 2 else 0
-  report = Report()
-  if not launches or threads <= 0:
-    yield traced.lower(), {}, report
-    return
-  keep = directory is not None
-  if keep:
+
+  def __init__(self, *, threads: int | None = 0, directory: str | os.PathLike | None = None):
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+      # checked here: with no Triton launch (a CPU) the value would not be read, and a GPU would fail on it later
+      raise ValueError(f"kernels_first's threads takes an int >= 0 or None (one per usable CPU but one), got "
+                       f"{threads!r}")
+    if threads is None:
+      cpus = platform.usable_cpus()
+      threads = cpus - 1 if cpus > 2 else 0
+    self.threads, self.directory, self.report = threads, directory, Report()
+    self._jobs: dict[str, concurrent.futures.Future] = {}  # by file name (`_file_name`)
+    self._launches: dict[str, Launch] = {}
+    self._traced: set[str] = set()  # the jobs started while tracing
+    self._pool = self._dir = None
+    self._keep, self._mesh, self._t0 = False, None, 0.0
+
+  def __enter__(self) -> KernelsFirst:
+    if self.threads <= 0:
+      return self
+    keep = self.directory is not None
+    if keep:
+      try:
+        pathlib.Path(self.directory, "kernels").mkdir(parents=True, exist_ok=True)
+      except OSError as e:  # an unwritable cache location: this compile keeps its kernel files in a temporary one
+        warnings.warn(f"cannot keep kernel files in {self.directory} ({e}); using a temporary directory",
+                      stacklevel=2)
+        keep = False
+    self._keep = keep
+    self._dir = pathlib.Path(self.directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
+    (self._dir / "kernels").mkdir(exist_ok=True)
+    mesh = jax.sharding.get_mesh()
+    self._mesh = None if mesh is None or mesh.empty else mesh
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)  # a compile may be writing into the directory deleted next
+    if self._dir is not None and not self._keep:
+      shutil.rmtree(self._dir, ignore_errors=True)
+
+  def _submit(self, launch: Launch) -> None:
+    """Starts compiling `launch` alone, unless it was started before or its kernel file is kept from before."""
+    name = _file_name(launch)
+    if name in self._launches:
+      return
+    self._launches[name] = launch
+    path = self._dir / "kernels" / f"{name}.bin"
+    if path.exists():
+      return
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="fp4jax-kernel",
+                                                         initializer=_yield_the_cpu)
+      self._t0 = time.perf_counter()
+    self._jobs[name] = self._pool.submit(compile_alone, launch, self._mesh, str(path))
+
+  def trace(self, jitted, *args) -> jax.stages.Traced:
+    """`jitted.trace(*args)`, each fp4jax launch handed to the pool as it is traced."""
+    if self._dir is None:
+      return jitted.trace(*args)
+    token = _collector.set(self._submit)
     try:
-      pathlib.Path(directory, "kernels").mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # an unwritable cache location: this compile keeps its kernel files in a temporary one
-      warnings.warn(f"cannot keep kernel files in {directory} ({e}); using a temporary directory", stacklevel=3)
-      keep = False
-  kernel_dir = pathlib.Path(directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
-  (kernel_dir / "kernels").mkdir(exist_ok=True)
-  try:
-    names = [_digest(repr((l.name, l.avals, repr(l.params["grid_mapping"])))) + "-" + l.name for l in launches]
-    program_file = kernel_dir / f"program-{_digest(' '.join(sorted(names)))}.bin"
+      return jitted.trace(*args)
+    finally:
+      _collector.reset(token)
+      self._traced = set(self._jobs)
+
+  def lower(self, traced: jax.stages.Traced) -> tuple[jax.stages.Lowered, dict]:
+    """(`traced` lowered, the compiler options that hand it its kernels): the program's launches not yet
+    compiling start, the program lowers meanwhile (XLA compiles the kernels without holding the GIL), and its
+    kernels, once compiled, are merged into the program's kernel file."""
+    launches = triton_launches(traced.jaxpr.jaxpr)
+    if self._dir is None or not launches:
+      return traced.lower(), {}
+    names = [_file_name(l) for l in launches]
+    program_file = self._dir / f"program-{_digest(' '.join(sorted(names)))}.bin"
     if program_file.exists():  # compiled before: XLA takes its kernels (and replaces those that changed)
-      lowered = traced.lower()
-    else:
-      report.kernels, report.threads = len(launches), min(threads, len(launches))
-      paths = [str(kernel_dir / "kernels" / f"{n}.bin") for n in names]
-      mesh = jax.sharding.get_mesh()
-      mesh = None if mesh is None or mesh.empty else mesh
-      t0 = time.perf_counter()
-      with concurrent.futures.ThreadPoolExecutor(report.threads) as pool:
-        # The largest kernel bodies first (their equations: a proxy of their compile time), so that with fewer
-        # threads than launches the last to finish is a short one.
-        order = sorted(range(len(launches)), key=lambda i: -len(launches[i].params["jaxpr"].eqns))
-        jobs = {i: pool.submit(compile_alone, launches[i], mesh, paths[i]) for i in order}
-        lowered = traced.lower()  # meanwhile: XLA compiles the kernels without holding the GIL
-        for i, launch in enumerate(launches):
-          if jobs[i].exception() is not None:
-            report.failed.append(f"{launch.name}: {type(jobs[i].exception()).__name__}")
-      report.kernel_s = time.perf_counter() - t0
-      merged, _ = merge_kernel_files([pathlib.Path(p).read_bytes() for p in paths if os.path.exists(p)],
-                                     {l.name for l in launches})
-      _write_atomically(program_file, merged)
-    yield lowered, {KERNEL_CACHE_OPTION: str(program_file)}, report
-  finally:
-    if not keep:
-      shutil.rmtree(kernel_dir, ignore_errors=True)
+      return traced.lower(), {KERNEL_CACHE_OPTION: str(program_file)}
+    # The largest kernel bodies first (their equations: a proxy of their compile time), so that with fewer
+    # threads than launches the last to finish is a short one.
+    for i in sorted(range(len(launches)), key=lambda i: -len(launches[i].params["jaxpr"].eqns)):
+      self._submit(launches[i])
+    lowered = traced.lower()
+    jobs = [self._jobs[n] for n in names if n in self._jobs]
+    self.report.kernels, self.report.threads = len(jobs), min(self.threads, len(self._jobs))
+    self.report.traced = sum(n in self._traced for n in names if n in self._jobs)
+    for name, launch in zip(names, launches):
+      if name in self._jobs and self._jobs[name].exception() is not None:
+        self.report.failed.append(f"{launch.name}: {type(self._jobs[name].exception()).__name__}")
+    self.report.kernel_s = time.perf_counter() - self._t0 if jobs else 0.0
+    paths = [self._dir / "kernels" / f"{n}.bin" for n in names]
+    merged, _ = merge_kernel_files([p.read_bytes() for p in paths if p.exists()], {l.name for l in launches})
+    _write_atomically(program_file, merged)
+    return lowered, {KERNEL_CACHE_OPTION: str(program_file)}
+
+
+@contextlib.contextmanager
+def kernels_first(traced: jax.stages.Traced, *, threads: int | None = 0,
+                  directory: str | os.PathLike | None = None) -> Iterator[tuple[jax.stages.Lowered, dict, Report]]:
+  """`KernelsFirst` for a program traced already (its kernels start compiling from the end of its trace on).
+  Inside: (the lowered program, the compiler options that hand it its kernels, the `Report`)."""
+  with KernelsFirst(threads=threads, directory=directory) as first:
+    lowered, options = first.lower(traced)
+    yield lowered, options, first.report
 
 
 def compile_lowered(lowered: jax.stages.Lowered, options: dict, report: Report,
@@ -322,5 +436,6 @@ def compile_program(jitted, *args, threads: int | None = 0, directory: str | os.
   if not isinstance(jitted, jax.stages.Wrapped):
     raise TypeError(f"compile_program takes a jax.jit function (compile_program(jax.jit(step), *args)), got "
                     f"{jitted!r}")
-  with kernels_first(jitted.trace(*args), threads=threads, directory=directory) as (lowered, options, report):
-    return compile_lowered(lowered, options, report, compiler_options), report
+  with KernelsFirst(threads=threads, directory=directory) as first:
+    lowered, options = first.lower(first.trace(jitted, *args))
+    return compile_lowered(lowered, options, first.report, compiler_options), first.report

@@ -111,6 +111,28 @@ def test_every_distinct_launch_is_found_in_forward_and_backward(route):
   assert compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr) == []
 
 
+@pytest.mark.parametrize("route", ["nvfp4", "mxfp4"])
+def test_each_launch_reaches_a_kernels_first_compile_as_it_is_traced(route):
+  """While a kernels-first compile traces (`compiling.KernelsFirst.trace`), `common.pallas_call` hands it each
+  Triton launch as it is traced (`compiling.bind_launch`), so its kernel can compile while the rest of the program
+  traces: every launch of the program is handed over before the trace ends, and the program traced is the one
+  traced without it."""
+  f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
+  seen = []
+  with bench_triton.on_abstract_h200():
+    jax.clear_caches()  # fp4jax's quantizers are jitted: a trace JAX kept would not run their launches' code
+    token = compiling._collector.set(seen.append)  # pylint: disable=protected-access  # what `trace` sets
+    try:
+      traced = jax.jit(f).trace(*args)
+    finally:
+      compiling._collector.reset(token)  # pylint: disable=protected-access
+    launches = compiling.triton_launches(traced.jaxpr.jaxpr)
+    jax.clear_caches()
+    plain = jax.jit(f).trace(*args)
+  assert launches and {(l.name, l.avals) for l in launches} <= {(l.name, l.avals) for l in seen}
+  assert str(traced.jaxpr) == str(plain.jaxpr)
+
+
 def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
   fn = jax.jit(lambda x: jnp.sin(x) * 2)
   compiled, report = compiling.compile_program(fn, jnp.arange(4.0), threads=4)
@@ -151,10 +173,12 @@ for route in ("nvfp4", "quartet2"):
   dump = pathlib.Path(sys.argv[1]) / "dump" / route
   with jax.set_mesh(mesh):
     args = compile_bench._on(mesh, args)
-    plain = jax.jit(f).trace(*args).lower().compile({"xla_dump_to": str(dump / "alone")}).as_text()
     directory = pathlib.Path(sys.argv[1]) / route
+    jax.clear_caches()  # traced anew: each launch reaches the kernels-first compile as it is traced
     compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory,
                                                  compiler_options={"xla_dump_to": str(dump / "first")})
+    # the same trace (JAX's), compiled alone: a trace of its own would put its own call sites in the kernels' IR
+    plain = jax.jit(f).trace(*args).lower().compile({"xla_dump_to": str(dump / "alone")}).as_text()
     launches = compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)
     with compiling.kernels_first(jax.jit(f).trace(*args), threads=2, directory=directory) as (_, again, rerun):
       pass  # the kept program file: nothing compiles alone, the same path (JAX's cache key)
@@ -162,7 +186,7 @@ for route in ("nvfp4", "quartet2"):
   out[route + " again"] = {"kernels": rerun.kernels, "same_file": again == {compiling.KERNEL_CACHE_OPTION:
                                                                                str(program_file)}}
   entries, _ = compiling.kernel_entries(program_file.read_bytes())
-  out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels,
+  out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels, "traced": report.traced,
                 "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
                 "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax")),
                 "launch_grids": launches_run(dump / "alone") == launches_run(dump / "first") != []}
@@ -201,6 +225,7 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
     assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
     assert r["launch_grids"], (route, r)  # each kernel taken from the file runs on the grid it runs on alone
     assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
+    assert r["traced"] == r["kernels"], (route, r)  # every one started compiling while the program traced
 
 
 @pytest.mark.gpu
@@ -261,8 +286,9 @@ def test_a_compile_that_fails_with_the_kernel_file_compiles_again_without_it(tmp
 
 
 def test_report_summary_says_how_the_kernels_compiled():
-  report = compiling.Report(kernels=13, threads=15, kernel_s=1.25, program_s=4.0)
-  assert report.summary() == "13 Pallas kernels compiled first on 15 threads in 1.2 s, then the program in 4.0 s"
+  report = compiling.Report(kernels=13, traced=11, threads=15, kernel_s=1.25, program_s=4.0)
+  assert report.summary() == ("13 Pallas kernels compiled first (11 from their trace on) on 15 threads in 1.2 s, "
+                              "then the program in 4.0 s")
   report = compiling.Report(failed=["k_1: TypeError"], fallback="XlaRuntimeError: link")
   assert report.summary() == ("1 kernels left to the program (k_1: TypeError); compiled again without them "
                               "(XlaRuntimeError: link)")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import platform
+from fp4jax import compiling, platform
 from fp4jax.numerics import hadamard, prng
 from fp4jax.numerics.produced import Produced
 from fp4jax.ops.quantize.pallas import sources
@@ -340,7 +340,7 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
     args = platform.vary_alike(*args)
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
     if not varying:
-      return launch(out_shape)(*args)
+      return compiling.bind_launch(launch(out_shape), *args)  # handed to a kernels-first compile, if one traces
     if kwargs.get("interpret"):
       raise NotImplementedError("Pallas interpret mode inside jax.shard_map's manual axes")
     mat = jax.sharding.ManualAxisType(varying=varying)
