@@ -5,9 +5,9 @@ that also compiles the program's own kernels (`--xla_gpu_force_compilation_paral
 the thread that emits the program): compiled for an H200 on a 2-core CPU (no GPU), the Llama-30M nvfp4 train
 step's 13 launches took 2.9 of its 7.5 s of compile, quartet2's 24 took 4.5 of 10.3 s, which the program no longer
 spent once they were compiled beforehand (docs/BENCHMARKS.md, "CPU session of 2026-12-05, 06:44"). Compiled
-first, they run side by side on the host's other CPUs while Python lowers the program (XLA releases the GIL while
-it compiles), instead of inside the program's compile; on hosts of many CPUs, where the pool already runs them
-side by side, that gains little (docs/BENCHMARKS.md, "Session of 2026-12-07, 06:28 UTC").
+first, they run side by side on the host's other CPUs while Python traces and lowers the program, instead of
+inside the program's compile; on hosts of many CPUs, where the pool already runs them side by side, that gains
+little (docs/BENCHMARKS.md, "Session of 2026-12-07, 06:28 UTC").
 
 How: XLA's kernel reuse cache (the `xla_gpu_kernel_cache_file` option). For a Triton call its key is the call's
 backend configuration: kernel name, Triton IR, grid, warps and stages, so a kernel compiled in a program of its
@@ -31,7 +31,10 @@ docs/BENCHMARKS.md, 2026-12-05); since, they give the bits of the program compil
 Opt-in in `train` and `bench` (off by default): on H100 hosts of 16 CPUs it saved 0-1 s of the Llama-30M steps'
 first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Session of 2026-12-05, 13:48"), and
 on 2026-12-07 nothing: the program's compile was 1.5 s shorter, the lowering waited 1.4 s longer for the kernels,
-whose slowest took 1.7 s alone ("Session of 2026-12-07, 11:24 UTC").
+whose slowest took 1.7 s alone ("Session of 2026-12-07, 11:24 UTC"). Started as each kernel is traced, 0.4-1.0 s
+of nvfp4's and quartet2's 10-13 s, nothing of mxfp4's: the trace took 1.3-1.9 s longer, the kernel compiles
+beside it taking its CPU, which their threads' lower priority is for (timed on a 2-CPU machine only: "Session of
+2026-12-07, 14:05 UTC").
 """
 
 from __future__ import annotations
@@ -369,8 +372,8 @@ class KernelsFirst:
 
   def lower(self, traced: jax.stages.Traced) -> tuple[jax.stages.Lowered, dict]:
     """(`traced` lowered, the compiler options that hand it its kernels): the program's launches not yet
-    compiling start, the program lowers meanwhile (XLA compiles the kernels without holding the GIL), and its
-    kernels, once compiled, are merged into the program's kernel file."""
+    compiling start, the program lowers meanwhile, and its kernels, once compiled, are merged into the program's
+    kernel file."""
     launches = triton_launches(traced.jaxpr.jaxpr)
     if self._dir is None or not launches:
       return traced.lower(), {}
