@@ -404,7 +404,8 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "singles": singles[:passes], "threads": thread_use(singles) if singles else None,
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
-          "kernels_first": report.kernels, "kernels_first_s": report.kernel_s, "kernels_alone": alone,
+          "kernels_first": report.kernels, "kernels_first_traced": report.traced, "kernels_first_s": report.kernel_s,
+          "kernels_alone": alone,
           "compiled_hlo": compiled_hlo if keep_hlo else None}
 
 
@@ -459,7 +460,8 @@ def _line(name: str, p: dict) -> str:
   if p.get("xla_kernels") is not None:
     line += f"  xla kernels {p['xla_kernels']}"
   if p.get("kernels_first"):
-    line += f"  ({p['kernels_first']} kernels compiled first: {p['kernels_first_s']:.1f} s, in the lower column)"
+    line += (f"  ({p['kernels_first']} kernels compiled first, {p.get('kernels_first_traced', 0)} from their trace"
+             f" on: {p['kernels_first_s']:.1f} s, in the trace and lower columns)")
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
   lines = [line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))]
@@ -474,7 +476,7 @@ def _line(name: str, p: dict) -> str:
 
 
 _ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels",
-             "kernels_first", "kernels_first_s", "kernels_alone")
+             "kernels_first", "kernels_first_traced", "kernels_first_s", "kernels_alone")
 
 
 def _row(name: str, route: str, phases: dict) -> dict:
