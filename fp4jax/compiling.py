@@ -32,9 +32,9 @@ Opt-in in `train` and `bench` (off by default): on H100 hosts of 16 CPUs it save
 first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Session of 2026-12-05, 13:48"), and
 on 2026-12-07 nothing: the program's compile was 1.5 s shorter, the lowering waited 1.4 s longer for the kernels,
 whose slowest took 1.7 s alone ("Session of 2026-12-07, 11:24 UTC"). Started as each kernel is traced, 0.4-1.0 s
-of nvfp4's and quartet2's 10-13 s, nothing of mxfp4's: the trace took 1.3-1.9 s longer, the kernel compiles
-beside it taking its CPU, which their threads' lower priority is for (timed on a 2-CPU machine only: "Session of
-2026-12-07, 14:05 UTC").
+of nvfp4's and quartet2's 10-13 s, nothing of mxfp4's: the trace took 1.3-1.9 s longer, slowed by the kernel
+compiles beside it, which their threads' lower priority is meant to prevent (timed on a 2-CPU machine only:
+"Session of 2026-12-07, 14:05 UTC").
 """
 
 from __future__ import annotations
