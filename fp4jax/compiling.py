@@ -77,10 +77,9 @@ class Launch:
 class Report:
   """What `KernelsFirst` and `compile_lowered` did: the program's launches compiled alone (`kernels`; 0 when none
   was, or the program's kernel file was there already), how many of them started while it traced (`traced`), on
-  how many threads, the seconds from their start to the last
-  one's end (`kernel_s`, overlapping the lowering), the launches that failed to compile alone (`failed`), how
-  long the program's own compile then took (`program_s`), and why it compiled without the kernel file
-  (`fallback`, None if it did not)."""
+  how many threads, the seconds from their start to the last one's end (`kernel_s`, overlapping the trace and
+  the lowering), the launches that failed to compile alone (`failed`), how long the program's own compile then
+  took (`program_s`), and why it compiled without the kernel file (`fallback`, None if it did not)."""
 
   kernels: int = 0
   traced: int = 0
@@ -315,7 +314,7 @@ class KernelsFirst:
       threads = cpus - 1 if cpus > 2 else 0
     self.threads, self.directory, self.report = threads, directory, Report()
     self._jobs: dict[str, concurrent.futures.Future] = {}  # by file name (`_file_name`)
-    self._launches: dict[str, Launch] = {}
+    self._seen: set[str] = set()  # the file names of the launches handed over, compiled or kept from before
     self._traced: set[str] = set()  # the jobs started while tracing
     self._pool = self._dir = None
     self._keep, self._mesh, self._t0 = False, None, 0.0
@@ -347,9 +346,9 @@ class KernelsFirst:
   def _submit(self, launch: Launch) -> None:
     """Starts compiling `launch` alone, unless it was started before or its kernel file is kept from before."""
     name = _file_name(launch)
-    if name in self._launches:
+    if name in self._seen:
       return
-    self._launches[name] = launch
+    self._seen.add(name)
     path = self._dir / "kernels" / f"{name}.bin"
     if path.exists():
       return
@@ -388,7 +387,7 @@ class KernelsFirst:
     lowered = traced.lower()
     jobs = [self._jobs[n] for n in names if n in self._jobs]
     self.report.kernels, self.report.threads = len(jobs), min(self.threads, len(self._jobs))
-    self.report.traced = sum(n in self._traced for n in names if n in self._jobs)
+    self.report.traced = sum(n in self._traced for n in names)
     for name, launch in zip(names, launches):
       if name in self._jobs and self._jobs[name].exception() is not None:
         self.report.failed.append(f"{launch.name}: {type(self._jobs[name].exception()).__name__}")
