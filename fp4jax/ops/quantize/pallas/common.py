@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 from fp4jax import compiling, platform
 from fp4jax.numerics import hadamard, prng
 from fp4jax.numerics.produced import Produced
-from fp4jax.ops.quantize.pallas import sources
+from fp4jax.ops.quantize.pallas import bodies, sources
 from fp4jax.ops.quantize.pallas.tiling import QuantTile
 
 F32_ABS = 0x7FFFFFFF
@@ -162,7 +162,7 @@ class PairIndex:
 
   def __call__(self, pq) -> tuple[jax.Array, jax.Array]:
     p, q = pq
-    i, j = grid_ids((self.m // (2 * self.h), self.k // (2 * self.w)))  # `dual_view_call`'s grid
+    i, j = grid_ids((self.m // (2 * self.h),))  # `dual_view_call`'s grid
     rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + (i * 2 * self.h + p).astype(jnp.uint32)
     cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + (j * 2 * self.w + q).astype(jnp.uint32)
     return rows, cols
@@ -296,14 +296,15 @@ def without_launch_digests(text: str) -> str:
   return _LAUNCH_DIGEST.sub("", text)
 
 
-def grid_ids(grid: tuple[int, ...], pid=None) -> tuple:
-  """The ids on `grid` of the program `pid` (in a kernel: `pl.program_id(0)`) of its one-axis launch
-  (`pallas_call`), the first axis fastest, as a launch on `grid` itself runs its programs. The last extent is
-  not written into the code (the decode does not need it), so `eden`'s and `amax`'s canonical launches, whose
-  grids vary with the operand's shape along their last axis only, stay the same code for every shape."""
+def grid_ids(lead: tuple[int, ...], pid=None) -> tuple:
+  """The ids of the program `pid` (in a kernel: `pl.program_id(0)`) of a one-axis launch (`pallas_call`) on a
+  grid whose extents but the last are `lead`, the first axis fastest, as a launch on that grid itself runs its
+  programs. The last extent is not needed (nor written into the code), so `eden`'s and `amax`'s canonical
+  launches, whose grids vary with the operand's shape along their last axis only, stay the same code (and the
+  same traced body, `_launch`) for every shape."""
   rest = pl.program_id(0) if pid is None else pid
   ids = []
-  for size in grid[:-1]:
+  for size in lead:
     ids.append(jax.lax.rem(rest, jnp.int32(size)))  # program ids are >= 0: C's remainder and quotient suffice
     rest = jax.lax.div(rest, jnp.int32(size))
   return (*ids, rest)
@@ -312,7 +313,7 @@ def grid_ids(grid: tuple[int, ...], pid=None) -> tuple:
 def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs, **kwargs):
   """`pl.pallas_call` on `grid`, launched as one axis of prod(grid) programs in the order a launch on `grid`
   runs them (every fp4jax kernel launches so): the BlockSpecs' index maps take `grid`'s ids as always, and a
-  kernel reads its own from `grid_ids(grid)`.
+  kernel reads its own from `grid_ids(grid[:-1])`. The kernel body is traced once per configuration (`bodies`).
 
   Why: XLA's kernel file (`fp4jax.compiling`) records a launch's grid as its count of blocks, so a kernel that a
   program takes from it runs on a one-axis grid of that many blocks: one launched on a [6, 8] grid ran on
@@ -321,11 +322,12 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
   def on_one_axis(spec):
     if isinstance(spec, (list, tuple)):
       return type(spec)(map(on_one_axis, spec))
-    return dataclasses.replace(spec, index_map=lambda pid, f=spec.index_map: f(*grid_ids(grid, pid)))
+    return dataclasses.replace(spec, index_map=lambda pid, f=spec.index_map: f(*grid_ids(grid[:-1], pid)))
 
   out_shape = kwargs.pop("out_shape")
-  launch = lambda out_shape: pl.pallas_call(kernel, grid=(math.prod(grid),), in_specs=on_one_axis(in_specs),
-                                            out_specs=on_one_axis(out_specs), out_shape=out_shape, **kwargs)
+  launch = lambda out_shape, kernel=kernel: pl.pallas_call(
+      kernel, grid=(math.prod(grid),), in_specs=on_one_axis(in_specs), out_specs=on_one_axis(out_specs),
+      out_shape=out_shape, **kwargs)
 
   def call(*args):
     """The launch, its outputs varying over every mesh axis an input varies over (inside `jax.shard_map`, whose
@@ -339,8 +341,10 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
       args = jax.lax.optimization_barrier(args)
     args = platform.vary_alike(*args)
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
-    if not varying:
-      return compiling.bind_launch(launch(out_shape), *args)  # handed to a kernels-first compile, if one traces
+    if not varying:  # the body traced once per configuration; handed to a kernels-first compile, if one traces
+      key = bodies.body_key(kernel, in_specs, out_specs, args, out_shape, kwargs)
+      traced_once = functools.partial(bodies.launch, lambda k: launch(out_shape, k), kernel, key)
+      return compiling.bind_launch(traced_once, *args)
     if kwargs.get("interpret"):
       raise NotImplementedError("Pallas interpret mode inside jax.shard_map's manual axes")
     mat = jax.sharding.ManualAxisType(varying=varying)

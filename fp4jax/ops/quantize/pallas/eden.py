@@ -109,7 +109,7 @@ def check(x: jax.Array, spec: OperandSpec, axis: int) -> None:
 
 
 def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, scales_per_row: int,
-                 grid: tuple[int, int]):
+                 groups: int):
   """One [128 along the quantized axis, block_c] tile -> codes [64, block_c], scale bytes [8, block_c] (and t),
   transposed (module docstring)."""
   div = functools.partial(exact.div_rn, interpret=cfg.interpret)
@@ -137,7 +137,7 @@ def _eden_kernel(p_ref, x_ref, codes_ref, scales_ref, *t_ref, cfg: EdenConfig, s
   c = jnp.where(den == 0, 1.0, div(num, jnp.where(den == 0, 1.0, den)))
   t = jnp.where(bad, 1.0, jnp.minimum(s_b * c, reference.scale_cap(s_dec)))  # [nb, C]
   k0, k1 = p_ref[0], p_ref[1]
-  group_id, column_id = common.grid_ids(grid)
+  group_id, column_id = common.grid_ids((groups,))
   col = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 1) + (column_id * cols).astype(jnp.uint32)
   blk = jax.lax.broadcasted_iota(jnp.uint32, (nb, cols), 0) + (group_id * nb).astype(jnp.uint32)
   counter = col * jnp.uint32(cfg.scales_per_row or scales_per_row) + blk
@@ -177,7 +177,7 @@ def _eden_call(x: jax.Array, params: jax.Array, cfg: EdenConfig):
     out_shape.append(jax.ShapeDtypeStruct((grid[1], n_scales, bc), jnp.float32))
     out_specs.append(pl.BlockSpec((1, GROUP // BLOCK, bc), lambda i, j: (j, i, 0)))
   return common.pallas_call(
-      functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales, grid=grid),
+      functools.partial(_eden_kernel, cfg=cfg, scales_per_row=n_scales, groups=grid[0]),
       out_shape=tuple(out_shape),
       grid=grid,
       in_specs=[pl.BlockSpec((_N_PARAMS,), lambda i, j: (0,)), x_spec],

@@ -1,0 +1,93 @@
+"""Each kernel body traced once per configuration: launches that differ only in their grid share its jaxpr.
+
+`pl.pallas_call` traces its kernel at every launch, and a kernel body is hundreds of equations (an MS-EDEN
+quantizer about 550): in quartet2's Llama-30M train step 24 launches traced 5 distinct bodies, 0.67 of its
+2.26 s trace on a 2-CPU machine (docs/BENCHMARKS.md, "Session of 2026-12-07, 16:50 UTC"). The canonical
+launches of `eden` and `amax` (`pallas.__init__`) differ only in their last grid extent, which their code does
+not read (`common.grid_ids`). `launch` traces a body once per `body_key` and gives every later launch of that key
+the same jaxpr inside its own launch parameters (grid, index maps, name), which a launch of an empty kernel
+yields.
+
+The key is what the body's jaxpr can depend on: the kernel (a `functools.partial` of a module-level function
+without closure cells, and the partial's arguments), the blocks its refs see (each BlockSpec but its index
+map, and the dtypes: a ref's aval), the launch's other arguments but its name, whether x64 is on, and the mesh
+and operand shardings the launch is traced under (`_context`). A
+kernel not of that form (a closure may hold anything) is traced at every launch, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import types
+from typing import Callable
+
+import jax
+import jax.extend
+
+_MAX_BODIES = 256
+_BODIES: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # key -> kernel jaxpr, LRU
+
+
+def _spec_key(spec, arg) -> tuple:
+  """A BlockSpec's fields but its index map, and the operand's dtype (and its shape where the spec takes the
+  whole array: then the ref is the array)."""
+  fields = tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.name != "index_map")
+  whole = getattr(spec, "block_shape", None) is None
+  return fields, str(arg.dtype), tuple(arg.shape) if whole else None
+
+
+def _context(args) -> str:
+  """The mesh the launch is traced under and its operands' shardings and manual axes, which its refs' avals
+  carry (a body traced inside a `jax.shard_map` does not serve a launch outside one)."""
+  avals = [jax.typeof(a) for a in args]
+  return repr((jax.sharding.get_abstract_mesh(), [(a.sharding.spec, a.manual_axis_type) for a in avals]))
+
+
+def body_key(kernel: Callable, in_specs, out_specs, args, out_shape, kwargs: dict) -> tuple | None:
+  """What the jaxpr of `kernel` traced for this launch depends on (module docstring), or None where that
+  cannot be told: then the launch traces its kernel itself."""
+  if not isinstance(kernel, functools.partial) or not isinstance(kernel.func, types.FunctionType) or \
+      kernel.func.__closure__ is not None:
+    return None
+  flat = lambda specs: list(specs) if isinstance(specs, (list, tuple)) else [specs]
+  outs = jax.tree.leaves(out_shape)
+  in_list, out_list = flat(in_specs), flat(out_specs)
+  if len(in_list) != len(args) or len(out_list) != len(outs):
+    return None
+  key = (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())),
+         tuple(_spec_key(s, a) for s, a in zip(in_list, args)),
+         tuple(_spec_key(s, o) for s, o in zip(out_list, outs)),
+         tuple(sorted((k, v) for k, v in kwargs.items() if k != "name")), bool(jax.config.jax_enable_x64),
+         _context(args))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _empty_kernel(*refs) -> None:
+  """The kernel of a launch whose body was traced before: its trace holds the launch's parameters alone."""
+  del refs
+
+
+def launch(make: Callable[[Callable], Callable], kernel: Callable, key: tuple | None, *args):
+  """`make(kernel)(*args)` (`make` builds the `pl.pallas_call` of a kernel), with the kernel body traced only
+  at the first launch of `key` (None: at every launch)."""
+  if key is None:
+    return make(kernel)(*args)
+  body = _BODIES.get(key)
+  closed, shapes = jax.make_jaxpr(make(kernel if body is None else _empty_kernel), return_shape=True)(*args)
+  [eqn] = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  if body is None:
+    _BODIES[key] = eqn.params["jaxpr"]
+    if len(_BODIES) > _MAX_BODIES:
+      _BODIES.popitem(last=False)
+  else:
+    _BODIES.move_to_end(key)
+    params = dict(eqn.params, jaxpr=body.replace(debug_info=eqn.params["jaxpr"].debug_info))  # its own name
+    closed = closed.replace(jaxpr=closed.jaxpr.replace(
+        eqns=[e.replace(params=params) if e is eqn else e for e in closed.jaxpr.eqns]))
+  return jax.tree.unflatten(jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(closed)(*args))
