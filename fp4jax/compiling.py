@@ -33,8 +33,11 @@ first calls (8-11 s), less than the spread between runs (docs/BENCHMARKS.md, "Se
 on 2026-12-07 nothing: the program's compile was 1.5 s shorter, the lowering waited 1.4 s longer for the kernels,
 whose slowest took 1.7 s alone ("Session of 2026-12-07, 11:24 UTC"). Started as each kernel is traced, 0.4-1.0 s
 of nvfp4's and quartet2's 10-13 s, nothing of mxfp4's: the trace took 1.3-1.9 s longer, slowed by the kernel
-compiles beside it, which their threads' lower priority is meant to prevent (timed on a 2-CPU machine only:
-"Session of 2026-12-07, 14:05 UTC").
+compiles beside it ("Session of 2026-12-07, 14:05 UTC"). Their threads' lower priority shortened that on a 2-CPU
+machine, not on an H100 host of 16 CPUs, where the trace still took 1.2-1.9 s longer: a compile slows Python in its
+own process, not in another (a thread that only compiled launches lowered beforehand halved a Python loop's speed
+on the main thread), so only a compile in another process would overlap the trace ("Session of 2026-12-07,
+16:50 UTC").
 """
 
 from __future__ import annotations
