@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import types
 from typing import Callable
 
@@ -28,6 +29,7 @@ import jax.extend
 
 _MAX_BODIES = 256
 _BODIES: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # key -> kernel jaxpr, LRU
+_LOCK = threading.Lock()  # programs may trace on several threads
 
 
 def _spec_key(spec, arg) -> tuple:
@@ -78,15 +80,18 @@ def launch(make: Callable[[Callable], Callable], kernel: Callable, key: tuple | 
   at the first launch of `key` (None: at every launch)."""
   if key is None:
     return make(kernel)(*args)
-  body = _BODIES.get(key)
+  with _LOCK:
+    body = _BODIES.get(key)
+    if body is not None:
+      _BODIES.move_to_end(key)
   closed, shapes = jax.make_jaxpr(make(kernel if body is None else _empty_kernel), return_shape=True)(*args)
   [eqn] = [e for e in closed.jaxpr.eqns if e.primitive.name == "pallas_call"]
   if body is None:
-    _BODIES[key] = eqn.params["jaxpr"]
-    if len(_BODIES) > _MAX_BODIES:
-      _BODIES.popitem(last=False)
+    with _LOCK:
+      _BODIES[key] = eqn.params["jaxpr"]
+      if len(_BODIES) > _MAX_BODIES:
+        _BODIES.popitem(last=False)
   else:
-    _BODIES.move_to_end(key)
     params = dict(eqn.params, jaxpr=body.replace(debug_info=eqn.params["jaxpr"].debug_info))  # its own name
     closed = closed.replace(jaxpr=closed.jaxpr.replace(
         eqns=[e.replace(params=params) if e is eqn else e for e in closed.jaxpr.eqns]))
