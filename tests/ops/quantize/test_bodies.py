@@ -12,13 +12,13 @@ import pytest
 from jax.experimental import pallas as pl
 
 from fp4jax.numerics.spec import OperandKeys, OperandSpec
-from fp4jax.ops.quantize.pallas import bodies, common, eden
+from fp4jax.ops.quantize.pallas import bodies, common, eden, nvfp4
 
 TRACES = []
 
 
 def _scaled_rows(x_ref, o_ref, *, factor):
-  """A kernel of a module function and keywords (what `bodies.body_key` keys): each row block times `factor`
+  """A kernel of a function and keywords (what `bodies.body_key` keys): each row block times `factor`
   plus its program id along the row axis (exact for a power-of-two factor), so a grid mixed up between
   launches shows."""
   TRACES.append(factor)
@@ -56,8 +56,8 @@ def test_launches_of_one_configuration_trace_their_body_once():
 
 @pytest.mark.parametrize("other", ["keyword", "block", "dtype", "closure"])
 def test_another_configuration_traces_its_own_body(other):
-  """A kernel keyword, a block shape or an operand dtype of its own is another body; a kernel that is not a
-  partial of a module function (a closure may hold anything) is traced at every launch."""
+  """A kernel keyword, a block shape or an operand dtype of its own is another body; a closure (it may hold
+  anything) is traced at every launch."""
   x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 128)), jnp.float32)
   first = functools.partial(_scaled_rows, factor=2.0)
   second, block, y = first, (8, 128), x
@@ -67,8 +67,9 @@ def test_another_configuration_traces_its_own_body(other):
     block = (16, 128)
   elif other == "dtype":
     y = x.astype(jnp.bfloat16)
-  else:  # one closure, launched on 4 and 8 row blocks
-    first = second = lambda x_ref, o_ref: _scaled_rows(x_ref, o_ref, factor=2.0)
+  else:  # one closure (it holds `factor`), launched on 4 and 8 row blocks
+    factor = 2.0
+    first = second = lambda x_ref, o_ref: _scaled_rows(x_ref, o_ref, factor=factor)
     y = jnp.concatenate([x, -x])
   a, b = jax.jit(lambda x, y: (_launch(x, first), _launch(y, second, block)))(x, y)
   assert len(TRACES) == 2
@@ -84,7 +85,18 @@ def test_key_leaves_out_the_name_and_the_grid():
   key = lambda rows, name: bodies.body_key(functools.partial(_scaled_rows, factor=1.0), [spec], spec,
                                            [jnp.zeros((rows, 128))], x, {"interpret": True, "name": name})
   assert key(16, "a") == key(64, "b")
-  assert bodies.body_key(lambda x_ref, o_ref: None, [spec], spec, [x], x, {}) is None
+  held = 1.0
+  assert bodies.body_key(lambda x_ref, o_ref: held, [spec], spec, [x], x, {}) is None
+
+
+def test_nested_partials_key_by_what_they_hold():
+  """`common.dual_view_call` launches a partial holding the format's kernel partial: two built alike are one
+  key, one holding another argument is another."""
+  x = jnp.zeros((16, 128))
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  outer = lambda f: functools.partial(_scaled_rows, factor=functools.partial(_want, block_rows=f))
+  key = lambda kernel: bodies.body_key(kernel, [spec], spec, [x], x, {})
+  assert key(outer(8)) is not None and key(outer(8)) == key(outer(8)) != key(outer(16))
 
 
 def _stripped(ir: str) -> str:
@@ -106,3 +118,19 @@ def test_shared_body_lowers_to_the_ir_of_its_own_trace(triton_modules):
     bodies._BODIES.clear()
     alone = triton_modules(launch, (r, 256))
     assert [_stripped(m) for m in together[2 * i:2 * i + 2]] == [_stripped(m) for m in alone]
+
+
+@pytest.mark.parametrize("rounding, traced", [("rne", 1), ("sr", 2)])
+def test_dual_views_share_a_body_unless_they_draw(triton_modules, rounding, traced):
+  """NVFP4's dual-view launches on x of 128 and 256 rows: deterministic ones share one body (x's shape is not in
+  their code), stochastic ones each trace their own (their draws are keyed by x's flat index); each launch's
+  Triton IR, names and locations aside, that of its own trace."""
+  spec = OperandSpec("nvfp4", rounding)
+  keys = OperandKeys(jax.random.key(1), jax.random.key(2))
+  launch = lambda x: nvfp4.views(x, spec, spec, keys, keys)
+  duals = lambda modules: [m for m in modules if "quantize_dual" in m]
+  together = duals(triton_modules(lambda x: [launch(x[:r]) for r in (128, 256)], (256, 256)))
+  assert len(together) == 2 and len([k for k in bodies._BODIES if "_nv_kernel" in repr(k)]) == traced
+  for r, ir in zip((128, 256), together):
+    bodies._BODIES.clear()
+    assert _stripped(ir) == _stripped(duals(triton_modules(launch, (r, 256)))[0])

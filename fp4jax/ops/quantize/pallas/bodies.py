@@ -8,11 +8,13 @@ not read (`common.grid_ids`). `launch` traces a body once per `body_key` and giv
 the same jaxpr inside its own launch parameters (grid, index maps, name), which a launch of an empty kernel
 yields.
 
-The key is what the body's jaxpr can depend on: the kernel (a `functools.partial` of a module-level function
-without closure cells, and the partial's arguments), the blocks its refs see (each BlockSpec but its index
-map, and the dtypes: a ref's aval), the launch's other arguments but its name, whether x64 is on, and the mesh
-and operand shardings the launch is traced under (`_context`). A
-kernel not of that form (a closure may hold anything) is traced at every launch, as before.
+The key is what the body's jaxpr can depend on: the kernel (a function without closure cells, or a
+`functools.partial` of one and the partial's arguments, nested partials and functions among them keyed alike), the
+blocks its refs see (each BlockSpec but its index map, and the dtypes: a ref's aval), the launch's other
+arguments but its name, whether x64 is on, and the mesh and operand shardings the launch is traced under
+(`_context`). A kernel not of that form (a closure may hold anything) is traced at every launch, as before. The
+dual-view kernels get x's shape only where they draw random bits (`common.draw_shape`), so that their
+deterministic launches share a body too.
 """
 
 from __future__ import annotations
@@ -40,6 +42,35 @@ def _spec_key(spec, arg) -> tuple:
   return fields, str(arg.dtype), tuple(arg.shape) if whole else None
 
 
+class _Unkeyable(Exception):
+  pass
+
+
+def _value_key(value):
+  """A partial's argument as a key: a callable by `_callable_key`, anything else as itself."""
+  if callable(value) and not isinstance(value, type):
+    key = _callable_key(value)
+    if key is None:
+      raise _Unkeyable
+    return key
+  return value
+
+
+def _callable_key(f) -> tuple | None:
+  """A function without closure cells as itself; a `functools.partial` of one as its function and its
+  arguments (keyed alike, so nested partials compare by what they hold); anything else (a closure, a jitted
+  function, a bound method) None."""
+  if isinstance(f, types.FunctionType):
+    return ("function", f) if f.__closure__ is None else None
+  if not isinstance(f, functools.partial):
+    return None
+  try:
+    return ("partial", _callable_key(f.func), tuple(map(_value_key, f.args)),
+            tuple(sorted((k, _value_key(v)) for k, v in f.keywords.items())))
+  except _Unkeyable:
+    return None
+
+
 def _context(args) -> str:
   """The mesh the launch is traced under and its operands' shardings and manual axes, which its refs' avals
   carry (a body traced inside a `jax.shard_map` does not serve a launch outside one)."""
@@ -50,15 +81,15 @@ def _context(args) -> str:
 def body_key(kernel: Callable, in_specs, out_specs, args, out_shape, kwargs: dict) -> tuple | None:
   """What the jaxpr of `kernel` traced for this launch depends on (module docstring), or None where that
   cannot be told: then the launch traces its kernel itself."""
-  if not isinstance(kernel, functools.partial) or not isinstance(kernel.func, types.FunctionType) or \
-      kernel.func.__closure__ is not None:
+  kernel_key = _callable_key(kernel)
+  if kernel_key is None:
     return None
   flat = lambda specs: list(specs) if isinstance(specs, (list, tuple)) else [specs]
   outs = jax.tree.leaves(out_shape)
   in_list, out_list = flat(in_specs), flat(out_specs)
   if len(in_list) != len(args) or len(out_list) != len(outs):
     return None
-  key = (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())),
+  key = (kernel_key,
          tuple(_spec_key(s, a) for s, a in zip(in_list, args)),
          tuple(_spec_key(s, o) for s, o in zip(out_list, outs)),
          tuple(sorted((k, v) for k, v in kwargs.items() if k != "name")), bool(jax.config.jax_enable_x64),

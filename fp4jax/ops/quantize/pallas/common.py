@@ -152,20 +152,28 @@ def tile_elements(tile) -> tuple[dict, dict, dict]:
 
 @dataclasses.dataclass(frozen=True)
 class PairIndex:
-  """Positions in x [m, k] of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32 [h, w]."""
+  """Positions in x [m, k] (`shape`) of the tile's element sets x[2i + p, 2j + q], (p, q) in `keys`, as uint32
+  [h, w]. Only random draws read them: a kernel that draws none gets no shape (`draw_shape`), so its body is
+  the same for every x and traced once (`bodies`)."""
 
   keys: tuple
   h: int
   w: int
-  k: int
-  m: int
+  shape: tuple[int, int] | None
 
   def __call__(self, pq) -> tuple[jax.Array, jax.Array]:
-    p, q = pq
-    i, j = grid_ids((self.m // (2 * self.h),))  # `dual_view_call`'s grid
+    if self.shape is None:
+      raise ValueError("PairIndex: positions asked of a kernel launched without x's shape (draw_shape)")
+    (p, q), (m, _) = pq, self.shape
+    i, j = grid_ids((m // (2 * self.h),))  # `dual_view_call`'s grid
     rows = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 0) * 2 + (i * 2 * self.h + p).astype(jnp.uint32)
     cols = jax.lax.broadcasted_iota(jnp.uint32, (self.h, self.w), 1) * 2 + (j * 2 * self.w + q).astype(jnp.uint32)
     return rows, cols
+
+
+def draw_shape(x_shape: tuple[int, ...], *roundings: str) -> tuple[int, int] | None:
+  """x's [m, k] for a dual-view kernel whose views round by `roundings`; None where none draws."""
+  return tuple(x_shape) if "sr" in roundings else None
 
 
 def random_bits(seed_ref, which: int, index, rounding: str = "sr", offset=None) -> dict:
@@ -179,7 +187,7 @@ def random_bits(seed_ref, which: int, index, rounding: str = "sr", offset=None) 
   for key_ in index.keys:
     rows, cols = index(key_)
     k0, k1 = seed_ref[2 * which], seed_ref[2 * which + 1]  # loaded before the counters, as they always were
-    counter = rows * jnp.uint32(index.k) + cols
+    counter = rows * jnp.uint32(index.shape[1]) + cols
     r = prng.hash_bits(k0, k1, counter if offset is None else counter + offset) >> 8
     out[key_] = jax.lax.bitcast_convert_type(r, jnp.int32)
   return out
@@ -315,10 +323,9 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
   runs them (every fp4jax kernel launches so): the BlockSpecs' index maps take `grid`'s ids as always, and a
   kernel reads its own from `grid_ids(grid[:-1])`. The kernel body is traced once per configuration (`bodies`).
 
-  Why: XLA's kernel file (`fp4jax.compiling`) records a launch's grid as its count of blocks, so a kernel that a
-  program takes from it runs on a one-axis grid of that many blocks: one launched on a [6, 8] grid ran on
-  [48, 1, 1], its second program id always 0 (wrong outputs, and writes past them: docs/BENCHMARKS.md, "H100
-  call of 2026-12-05"). On one axis, the grid XLA records is the grid it launches."""
+  Why: XLA's kernel file (`fp4jax.compiling`) records a launch's grid as its block count, so a kernel taken from
+  it runs on one axis: one launched on [6, 8] ran on [48, 1, 1] (wrong outputs, writes past them:
+  docs/BENCHMARKS.md, "H100 call of 2026-12-05"). On one axis, the grid XLA records is the grid it launches."""
   def on_one_axis(spec):
     if isinstance(spec, (list, tuple)):
       return type(spec)(map(on_one_axis, spec))
@@ -354,6 +361,13 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
   return call
 
 
+def _dual_view_body(*refs, kernel: Callable, tile_of: Callable, n_par: int, n_in: int, slots: tuple[bool, ...]):
+  """`dual_view_call`'s kernel (a partial of it keys its body, `bodies`): `kernel` on the parameters, x's tile
+  and the four output slots (None for a view not written)."""
+  outs = iter(refs[n_in:])
+  kernel(*refs[:n_par], tile_of(refs[n_par:n_in]), *[next(outs) if slots[i] else None for i in range(4)])
+
+
 def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, params: list, *, interpret: bool,
                    name: str, write: tuple[bool, bool] = BOTH, values: tuple[bool, bool] = (False, False)):
   """One launch of a dual-view kernel over bf16 x [M, K] (the MXFP4 and NVFP4 kernels share it).
@@ -374,14 +388,10 @@ def dual_view_call(kernel: Callable, x: jax.Array, t: QuantTile, block: int, par
   source, tile_of = sources.launch_inputs(x, t, interpret=interpret)
   out_shape, out_specs = view_outputs(m, k, t, block, write, values)
   n_par, n_in = len(params), len(params) + len(source)
-  slots = [write[i // 2] and not (values[i // 2] and i % 2) for i in range(4)]  # which of the four refs exist
-
-  def body(*refs):
-    outs = iter(refs[n_in:])
-    kernel(*refs[:n_par], tile_of(refs[n_par:n_in]), *[next(outs) if slots[i] else None for i in range(4)])
+  slots = tuple(write[i // 2] and not (values[i // 2] and i % 2) for i in range(4))  # which of the 4 refs exist
 
   outs = iter(pallas_call(
-      body,
+      functools.partial(_dual_view_body, kernel=kernel, tile_of=tile_of, n_par=n_par, n_in=n_in, slots=slots),
       out_shape=out_shape,
       grid=(m // t.block_m, k // t.block_k),
       in_specs=[spec for _, spec in params + source],

@@ -176,7 +176,7 @@ def _tiles_2d(mag, sign, r24, h: int, w: int, cfg: OperandSpec):
   return row_codes, row_scales, col_codes, col_scales
 
 
-def _dual_kernel(*refs, cfg: DualConfig, m: int, k: int):
+def _dual_kernel(*refs, cfg: DualConfig, shape: tuple[int, int] | None):
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   x_tile: x's tile (`sources`: read, or computed from the inputs of the op that produces x) of bf16 pairs
@@ -188,7 +188,7 @@ def _dual_kernel(*refs, cfg: DualConfig, m: int, k: int):
   seed_ref, (x_tile, rc_ref, rs_ref, cc_ref, cs_ref) = (refs[0], refs[1:]) if cfg.needs_params else (None, refs)
   h, _, w = x_tile.shape  # h = bm / 2 row pairs, w = bk / 2 column pairs
   bits, mag, sign = common.tile_elements(x_tile)  # x[2i + p, 2j + q] keyed (p, q)
-  index = common.PairIndex(tuple(bits), h, w, k, m)
+  index = common.PairIndex(tuple(bits), h, w, shape)
   write_row, write_col = cfg.write
   shared = cfg.shared_bits
   offset = seed_ref[5] if cfg.offset else None
@@ -242,7 +242,8 @@ def _transform_view(even, odd, r24_even, r24_odd, negative, cfg: OperandSpec):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
   extra = [(params, pl.BlockSpec(params.shape, lambda i, j: (0,)))] if cfg.needs_params else []
-  kernel = functools.partial(_dual_kernel, cfg=cfg, m=x.shape[0], k=x.shape[1])
+  shape = common.draw_shape(x.shape, cfg.row.rounding, cfg.col.rounding)  # None: the same body for every x
+  kernel = functools.partial(_dual_kernel, cfg=cfg, shape=shape)
   return common.dual_view_call(kernel, x, cfg.tile, BLOCK, extra, interpret=cfg.interpret, name=KERNEL_NAME,
                                write=cfg.write)
 

@@ -249,7 +249,7 @@ def _store_tiles(row, col, rc_ref, rs_ref, cc_ref, cs_ref, h: int, w: int) -> No
 
 
 def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_tile, rc_ref, rs_ref, cc_ref, cs_ref, *, cfg: NvDualConfig,
-               m: int, k: int):
+               shape: tuple[int, int] | None):
   """One tile of x as bf16 pairs -> both views (or the one `cfg.write` names; the other's refs are None).
 
   seed_ref: uint32 [5], the row view's then the column view's SR seed words, then the column transform's
@@ -261,7 +261,7 @@ def _nv_kernel(seed_ref, prow_ref, pcol_ref, x_tile, rc_ref, rs_ref, cc_ref, cs_
   """
   h, _, w = x_tile.shape
   bits, mag, sign = common.tile_elements(x_tile)  # x[2i + p, 2j + q] keyed (p, q)
-  index = common.PairIndex(tuple(bits), h, w, k, m)
+  index = common.PairIndex(tuple(bits), h, w, shape)
 
   offset = seed_ref[5] if cfg.offset else None
   r24 = common.random_bits(seed_ref, 0, index, cfg.row_rounding if cfg.write[0] or cfg.tile_2d else "rne",
@@ -319,7 +319,8 @@ def _nv_call(x: jax.Array, seeds: jax.Array, prow: jax.Array, pcol: jax.Array, c
   inputs = [(seeds, pl.BlockSpec(seeds.shape, lambda i, j: (0,))),
             (prow, pl.BlockSpec((1, params.N_PARAMS), row_map)),
             (pcol, pl.BlockSpec((1, params.N_PARAMS), col_map))]
-  kernel = functools.partial(_nv_kernel, cfg=cfg, m=x.shape[0], k=x.shape[1])
+  shape = common.draw_shape(x.shape, cfg.row_rounding, cfg.col_rounding)  # None: the same body for every x
+  kernel = functools.partial(_nv_kernel, cfg=cfg, shape=shape)
   return common.dual_view_call(kernel, x, cfg.tile, BLOCK, inputs, interpret=cfg.interpret, name=KERNEL_NAME,
                                write=cfg.write, values=cfg.values)
 

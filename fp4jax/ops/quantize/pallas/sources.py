@@ -18,6 +18,7 @@ reference does. The GPU tests compare the kernel's values with XLA's for every b
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -89,6 +90,14 @@ class _Swiglu:
     return {pq: _bf16_bits(produced.swiglu_f32(_f32(g[pq]), _f32(u[pq]), self.sigmoid)) for pq in g}
 
 
+def _plain_tile(refs) -> _Plain:
+  return _Plain(refs[0])
+
+
+def _swiglu_tile(refs, *, sigmoid: Callable) -> _Swiglu:
+  return _Swiglu(refs[0], refs[1], sigmoid)
+
+
 def launch_inputs(x: jax.Array | Produced, t: QuantTile, *, interpret: bool
                   ) -> tuple[list[tuple[jax.Array, pl.BlockSpec]], Callable[[list], object]]:
   """(the (array, BlockSpec) pairs a launch over x's [bm, bk] tiles reads, refs -> the tile object of x); the
@@ -97,7 +106,7 @@ def launch_inputs(x: jax.Array | Produced, t: QuantTile, *, interpret: bool
   h, w = t.block_m // 2, t.block_k // 2
   block = (h, 2, w)
   if not isinstance(x, Produced):
-    return [(pair_words(x), pl.BlockSpec(block, lambda i, j: (i, 0, j)))], lambda refs: _Plain(refs[0])
+    return [(pair_words(x), pl.BlockSpec(block, lambda i, j: (i, 0, j)))], _plain_tile
   if x.kind != "swiglu":
     raise NotImplementedError(f"no kernel source for {x.kind!r}")
   (y,) = x.inputs
@@ -108,4 +117,4 @@ def launch_inputs(x: jax.Array | Produced, t: QuantTile, *, interpret: bool
   sigmoid = jax.nn.sigmoid if interpret else gpu_sigmoid
   specs = [(words, pl.BlockSpec(block, lambda i, j: (i, 0, j))),
            (words, pl.BlockSpec(block, lambda i, j: (i, 0, j + nf)))]
-  return specs, lambda refs: _Swiglu(refs[0], refs[1], sigmoid)
+  return specs, functools.partial(_swiglu_tile, sigmoid=sigmoid)
