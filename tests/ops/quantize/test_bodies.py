@@ -97,6 +97,7 @@ def test_nested_partials_key_by_what_they_hold():
   outer = lambda f: functools.partial(_scaled_rows, factor=functools.partial(_want, block_rows=f))
   key = lambda kernel: bodies.body_key(kernel, [spec], spec, [x], x, {})
   assert key(outer(8)) is not None and key(outer(8)) == key(outer(8)) != key(outer(16))
+  assert key(functools.partial(_scaled_rows, factor=1)) != key(functools.partial(_scaled_rows, factor=1.0))
 
 
 def _stripped(ir: str) -> str:

@@ -47,13 +47,16 @@ class _Unkeyable(Exception):
 
 
 def _value_key(value):
-  """A partial's argument as a key: a callable by `_callable_key`, anything else as itself."""
+  """A partial's argument as a key: a callable by `_callable_key`, a tuple or list item by item, anything else
+  with its type (1, 1.0 and True are equal in Python, not in a trace)."""
   if callable(value) and not isinstance(value, type):
     key = _callable_key(value)
     if key is None:
       raise _Unkeyable
     return key
-  return value
+  if isinstance(value, (tuple, list)):
+    return type(value), tuple(map(_value_key, value))
+  return type(value), value
 
 
 def _callable_key(f) -> tuple | None:
@@ -89,14 +92,14 @@ def body_key(kernel: Callable, in_specs, out_specs, args, out_shape, kwargs: dic
   in_list, out_list = flat(in_specs), flat(out_specs)
   if len(in_list) != len(args) or len(out_list) != len(outs):
     return None
-  key = (kernel_key,
-         tuple(_spec_key(s, a) for s, a in zip(in_list, args)),
-         tuple(_spec_key(s, o) for s, o in zip(out_list, outs)),
-         tuple(sorted((k, v) for k, v in kwargs.items() if k != "name")), bool(jax.config.jax_enable_x64),
-         _context(args))
   try:
+    key = (kernel_key,
+           tuple(_spec_key(s, a) for s, a in zip(in_list, args)),
+           tuple(_spec_key(s, o) for s, o in zip(out_list, outs)),
+           tuple(sorted((k, _value_key(v)) for k, v in kwargs.items() if k != "name")),
+           bool(jax.config.jax_enable_x64), _context(args))
     hash(key)
-  except TypeError:
+  except (_Unkeyable, TypeError):
     return None
   return key
 
