@@ -309,7 +309,7 @@ def grid_ids(lead: tuple[int, ...], pid=None) -> tuple:
   grid whose extents but the last are `lead`, the first axis fastest, as a launch on that grid itself runs its
   programs. The last extent is not needed (nor written into the code), so `eden`'s and `amax`'s canonical
   launches, whose grids vary with the operand's shape along their last axis only, stay the same code (and the
-  same traced body, `_launch`) for every shape."""
+  same traced body, `bodies`) for every shape."""
   rest = pl.program_id(0) if pid is None else pid
   ids = []
   for size in lead:
