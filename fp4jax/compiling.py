@@ -143,16 +143,24 @@ _collector: contextvars.ContextVar[Callable[[Launch], None] | None] = contextvar
 
 
 def bind_launch(launch: Callable, *args):
-  """`launch(*args)`, a `pl.pallas_call`'s launch (`ops.quantize.pallas.common.pallas_call` binds every fp4jax
-  kernel here). While a `KernelsFirst` traces on this thread, the launch is traced to its own jaxpr first and
-  handed over (each Triton `pallas_call` in it, `triton_launches`), then bound from that jaxpr: its kernel starts
-  compiling alone while the rest of the program traces, and its body is traced once."""
-  collect = _collector.get()
-  if collect is None:
+  """`launch(*args)`, a `pl.pallas_call`'s launch (every fp4jax kernel is bound here or, traced already, by
+  `bind_jaxpr`: `ops.quantize.pallas.bodies.launch`). While a `KernelsFirst` traces on this thread, the launch
+  is traced to its own jaxpr first and handed over (each Triton `pallas_call` in it, `triton_launches`), then
+  bound from that jaxpr: its kernel starts compiling alone while the rest of the program traces, and its body
+  is traced once."""
+  if _collector.get() is None:
     return launch(*args)
-  closed, shapes = jax.make_jaxpr(launch, return_shape=True)(*args)
-  for found in triton_launches(closed.jaxpr):
-    collect(found)
+  return bind_jaxpr(*jax.make_jaxpr(launch, return_shape=True)(*args), *args)
+
+
+def bind_jaxpr(closed, shapes, *args):
+  """The outputs (of `shapes`' structure) of the launch traced to `closed`, bound on `args`, its Triton launches
+  handed to the `KernelsFirst` that traces on this thread, if one does (`bind_launch`, for a launch traced
+  already: `ops.quantize.pallas.bodies`)."""
+  collect = _collector.get()
+  if collect is not None:
+    for found in triton_launches(closed.jaxpr):
+      collect(found)
   return jax.tree.unflatten(jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(closed)(*args))
 
 
@@ -346,9 +354,10 @@ class KernelsFirst:
     if self._dir is not None and not self._keep:
       shutil.rmtree(self._dir, ignore_errors=True)
 
-  def _submit(self, launch: Launch) -> None:
-    """Starts compiling `launch` alone, unless it was started before or its kernel file is kept from before."""
-    name = _file_name(launch)
+  def _submit(self, launch: Launch, name: str | None = None) -> None:
+    """Starts compiling `launch` alone, unless it was started before or its kernel file is kept from before.
+    name: its `_file_name`, where the caller has it."""
+    name = name or _file_name(launch)
     if name in self._seen:
       return
     self._seen.add(name)
@@ -386,7 +395,7 @@ class KernelsFirst:
     # The largest kernel bodies first (their equations: a proxy of their compile time), so that with fewer
     # threads than launches the last to finish is a short one.
     for i in sorted(range(len(launches)), key=lambda i: -len(launches[i].params["jaxpr"].eqns)):
-      self._submit(launches[i])
+      self._submit(launches[i], names[i])
     lowered = traced.lower()
     jobs = [self._jobs[n] for n in names if n in self._jobs]
     self.report.kernels, self.report.threads = len(jobs), min(self.threads, len(self._jobs))

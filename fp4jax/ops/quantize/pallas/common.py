@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import compiling, platform
+from fp4jax import platform
 from fp4jax.numerics import hadamard, prng
 from fp4jax.numerics.produced import Produced
 from fp4jax.ops.quantize.pallas import bodies, sources
@@ -350,8 +350,7 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
     if not varying:  # the body traced once per configuration; handed to a kernels-first compile, if one traces
       key = bodies.body_key(kernel, in_specs, out_specs, args, out_shape, kwargs)
-      traced_once = functools.partial(bodies.launch, lambda k: launch(out_shape, k), kernel, key)
-      return compiling.bind_launch(traced_once, *args)
+      return bodies.launch(lambda k: launch(out_shape, k), kernel, key, *args)
     if kwargs.get("interpret"):
       raise NotImplementedError("Pallas interpret mode inside jax.shard_map's manual axes")
     mat = jax.sharding.ManualAxisType(varying=varying)
