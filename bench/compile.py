@@ -59,10 +59,10 @@ over all of them, and ends with each route's median and range and the medians' r
 H200's host one program's first call varied up to 2x between runs (docs/BENCHMARKS.md, "H200 session of
 2026-12-03, 15:20"), so one run does not decide a ratio. `--out FILE` writes the rows as JSON.
 
-`python -m bench --kernels-first on compile ...` (or N, on N threads) has a GPU (or `--h200 --xla`) compile take
-the Pallas kernels compiled first, alone and side by side, while the program lowers (`fp4jax.compiling`,
-opt-in; the lower column then includes waiting for them, and the row says how many there were); by default they
-compile in the program, as jax.jit does.
+`python -m bench --kernels-first on compile ...` (or N, on N threads) has a GPU (or `--h200 --xla`) compile the
+program's Pallas kernels alone, side by side, beside the program's own compile (`fp4jax.compiling`; the row says
+how many, and how far into the program's compile the last was ready); off, they compile in the program, as
+jax.jit does.
 
 Compiles are cold (the persistent cache is off) unless `--warm`. Each step row ends with its first call (trace +
 lower + compile: what a training run waits for before its first step), and with bf16 among the routes a last line
@@ -368,8 +368,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
   the longest XLA compile events; with `triton_compile` and `h200`, each distinct kernel's Triton compile).
   `xla`: the mesh of `_deviceless_h200`: compiled for it (`--h200 --xla`) rather than only lowered.
   `kernels_first`: `fp4jax.compiling.KernelsFirst`'s keywords (None: compile as jax.jit does); the Pallas
-  kernels then compile alone from their trace on, while the program traces and lowers, and "lower" includes
-  waiting for them.
+  kernels then compile alone beside the program's compile (with `passes`, their events among the program's).
   `keep_hlo`: the result has the compiled program's HLO text as "compiled_hlo" (None where nothing compiled).
   `kernels`: the result's "kernels_alone" has each distinct Pallas launch compiled alone, after the program
   (`kernel_compiles`; None where nothing compiled)."""
@@ -382,7 +381,7 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
   first = compiling.KernelsFirst(**({"threads": 0} if lowering_only or not kernels_first else kernels_first))
   with target as modules, platform.old_objects_frozen(), first:  # as train and `bench step` compile
     t0 = time.perf_counter()
-    traced = first.trace(jax.jit(fn), *args)  # kernels first: each starts compiling as it is traced
+    traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
     lowered, options = (_lower_abstract(traced), {}) if lowering_only else first.lower(traced)
     t2 = time.perf_counter()
@@ -390,11 +389,11 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
     if not lowering_only and passes:
       compile_s, events, singles, compiled = compile_events(lowered, options)
     elif not lowering_only:
-      compiled = compiling.compile_lowered(lowered, options, first.report)
+      compiled = first.compile(lowered, options)
       compile_s = time.perf_counter() - t2
   report = first.report
   compiled_hlo = compiled.as_text() if compiled is not None else None
-  alone = kernel_compiles(traced, xla) if kernels and not lowering_only else None
+  alone = kernel_compiles(lowered, xla) if kernels and not lowering_only else None
   sites, distinct, launches = kernel_counts(lowered.as_text())
   first_call = None if compile_s is None else t2 - t0 + compile_s  # what a run waits for before its first step
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": compile_s, "first_call": first_call, "sites": sites,
@@ -404,36 +403,42 @@ def _phases(fn, args, *, h200: bool, xla: jax.sharding.Mesh | None = None, passe
           "singles": singles[:passes], "threads": thread_use(singles) if singles else None,
           "triton": triton_seconds(modules) if lowering_only and triton_compile else None,
           "xla_kernels": None if compiled_hlo is None else xla_kernels(compiled_hlo),
-          "kernels_first": report.kernels, "kernels_first_traced": report.traced, "kernels_first_s": report.kernel_s,
+          "kernels_first": report.kernels, "kernels_first_ready_s": report.ready_s,
           "kernels_alone": alone,
           "compiled_hlo": compiled_hlo if keep_hlo else None}
 
 
-def kernel_compiles(traced, mesh: jax.sharding.Mesh | None) -> list[dict]:
-  """Each distinct Triton launch of `traced` (`fp4jax.compiling.triton_launches`) compiled alone by XLA, one
-  after another on this machine (under `mesh`: `--h200 --xla`'s, or None for the GPU's default device), slowest
-  first: its kernel name (without the launch digest), grid, largest operand's shape, kernel equations and
-  seconds. XLA compiles each launch of a program as one job of its compile pool, after the program's HLO
-  passes: the slowest launch bounds how soon the program's compile can end, however many CPUs the pool has
-  (docs/BENCHMARKS.md, "Session of 2026-12-07, 11:24 UTC")."""
+def kernel_compiles(lowered, mesh: jax.sharding.Mesh | None) -> list[dict]:
+  """Each distinct Triton call of `lowered` (`fp4jax.compiling.triton_calls`) compiled alone by XLA, one after
+  another on this machine (for `mesh`'s first device: `--h200 --xla`'s, or None for JAX's first), slowest first:
+  its kernel name (without the launch digest), its grid's block count, its largest operand, the size of its
+  program (Triton IR included) and seconds. XLA compiles each call of a program as one job of its compile pool,
+  after the program's HLO passes: the slowest call bounds how soon the program's compile can end, however many
+  CPUs the pool has (docs/BENCHMARKS.md, "Session of 2026-12-07, 11:24 UTC")."""
+  device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
   rows = []
-  for launch in compiling.triton_launches(traced.jaxpr.jaxpr):
-    operand = max(launch.avals, key=lambda a: math.prod(a.shape))
-    rows.append({"kernel": common.without_launch_digests(launch.name), "grid": launch.params["grid_mapping"].grid,
-                 "shape": tuple(operand.shape), "equations": len(launch.params["jaxpr"].eqns),
-                 "seconds": compiling.compile_alone(launch, mesh)})
+  for call in compiling.triton_calls(lowered):
+    operand = max(call.operands, key=lambda t: math.prod(_tensor_shape(t)))
+    rows.append({"kernel": common.without_launch_digests(call.name), "blocks": call.blocks, "operand": operand,
+                 "bytes": len(call.module), "seconds": compiling.compile_alone(call, device)})
   return sorted(rows, key=lambda r: -r["seconds"])
 
 
+def _tensor_shape(mlir_type: str) -> tuple[int, ...]:
+  """The shape of an MLIR tensor type's text (tensor<32768x384xbf16> -> (32768, 384); a scalar -> ())."""
+  dims = mlir_type.removeprefix("tensor<").removesuffix(">").split("x")[:-1]
+  return tuple(int(d) for d in dims)
+
+
 def _kernels_lines(rows: list[dict]) -> list[str]:
-  """`kernel_compiles`' rows as `_line` prints them: a summary, then one line per launch."""
+  """`kernel_compiles`' rows as `_line` prints them: a summary, then one line per call."""
   if not rows:
     return ["      pallas launches compiled alone: none"]
   seconds = [r["seconds"] for r in rows]
   lines = [f"      pallas launches compiled alone by XLA, one after another: {len(rows)} in {sum(seconds):.1f} s, "
            f"slowest {seconds[0]:.2f} s"]
-  lines += [f"      {r['seconds']:7.2f} s  {r['kernel']}  grid {'x'.join(map(str, r['grid']))}  "
-            f"operand {'x'.join(map(str, r['shape']))}  {r['equations']} equations" for r in rows]
+  lines += [f"      {r['seconds']:7.2f} s  {r['kernel']}  {r['blocks']} blocks  largest operand {r['operand']}  "
+            f"{r['bytes'] / 1e3:.0f} kB of program" for r in rows]
   return lines
 
 
@@ -460,8 +465,9 @@ def _line(name: str, p: dict) -> str:
   if p.get("xla_kernels") is not None:
     line += f"  xla kernels {p['xla_kernels']}"
   if p.get("kernels_first"):
-    line += (f"  ({p['kernels_first']} kernels compiled first, {p.get('kernels_first_traced', 0)} from their trace"
-             f" on: {p['kernels_first_s']:.1f} s, in the trace and lower columns)")
+    ready = p.get("kernels_first_ready_s")
+    line += (f"  ({p['kernels_first']} kernels compiled alone beside the compile"
+             f"{'' if ready is None else f', the last ready {ready:.1f} s into it'})")
   if p.get("triton") is not None:
     line = "\n".join([line, *_triton_lines(p["triton"])])
   lines = [line, *(f"      {s:7.2f} s {n:5d}x  {event}" for event, n, s in p.get("events", []))]
@@ -476,7 +482,7 @@ def _line(name: str, p: dict) -> str:
 
 
 _ROW_KEYS = ("trace", "lower", "compile", "first_call", "sites", "distinct", "launches", "hlo", "xla_kernels",
-             "kernels_first", "kernels_first_traced", "kernels_first_s", "kernels_alone")
+             "kernels_first", "kernels_first_ready_s", "kernels_alone")
 
 
 def _row(name: str, route: str, phases: dict) -> dict:
@@ -511,7 +517,7 @@ def _child_argv(args: argparse.Namespace, route: str, out: str) -> list[str]:
   batch, seq = args.tokens
   scan = [] if not args.scan else ["--scan"] if args.scan is True else ["--scan", args.scan]
   return [sys.executable, "-m", "bench", "--compile-cache", args.compile_cache if args.warm else "off",
-          "--kernels-first", args.kernels_first, "compile",
+          "--kernels-first", args.kernels_first or "on", "compile",
           "--step", args.step, *(["--layers", str(args.layers)] if args.layers else []), "--tokens",
           f"{batch}x{seq}", *scan,
           *(["--unfused-linears"] if args.unfused_linears else []), *(["--warm"] if args.warm else []),
@@ -545,8 +551,12 @@ def _repeat(args: argparse.Namespace) -> None:
         (row,) = child["rows"]
         rows.append({**row, "round": i + 1})
         seconds[route].append(row["first_call"])
+        ready, beside = row.get("kernels_first_ready_s"), ""
+        if row.get("kernels_first"):
+          beside = f"; {row['kernels_first']} kernels beside it"
+          beside += "" if ready is None else f", ready at {ready:.1f} s"
         print(f"  round {i + 1}/{args.repeat}  {route:12s} first call {row['first_call']:6.1f} s  (trace "
-              f"{row['trace']:.1f}, lower {row['lower']:.1f}, compile {row['compile']:.1f} s; hlo "
+              f"{row['trace']:.1f}, lower {row['lower']:.1f}, compile {row['compile']:.1f} s{beside}; hlo "
               f"{row['hlo'] / 1e3:.1f}k)", flush=True)
   medians = {route: statistics.median(s) for route, s in seconds.items()}
   for route, s in seconds.items():

@@ -1,5 +1,6 @@
-"""fp4jax.compiling: the Triton launches it finds, the kernel files it merges, the kernels' launch names, a
-program compiled with its kernels first for an H200 (JAX's CUDA plugin, no GPU) and run on a GPU."""
+"""fp4jax.compiling: the Triton calls it takes out of a lowered program, the kernel files it merges and rewrites
+as kernels land, the kernels' launch names, a program compiled beside its kernels for an H200 (JAX's CUDA
+plugin, no GPU) and run on a GPU."""
 
 import functools
 import inspect
@@ -15,7 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
 
+from bench import args as args_lib
 from bench import compile as compile_bench
 from bench import triton as bench_triton
 from fp4jax import Impl, compiling, fp4_dot
@@ -72,7 +76,7 @@ def test_launch_names_follow_the_configuration_and_not_the_process():
 def _launch_names() -> list[str]:
   f, args = _fwd_bwd("nvfp4", Impl(quantizer="pallas"))
   with bench_triton.on_abstract_h200():
-    return [l.name for l in compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)]
+    return [c.name for c in compiling.triton_calls(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)))]
 
 
 _LAUNCH_NAMES = """
@@ -92,45 +96,42 @@ def _fwd_bwd(route: str, impl: Impl):
   return f, args + [jax.eval_shape(lambda: jax.random.key(0))]
 
 
-@pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
-def test_every_distinct_launch_is_found_in_forward_and_backward(route):
-  """The launches found in the traced jaxpr (custom_vjp backward included) are the lowered program's distinct
-  Triton launch configurations, each with its own name, each on a grid of one axis (XLA's kernel file keeps a
-  launch's block count only: `common.pallas_call`); interpret-mode kernels are none."""
-  f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
+def _lowered_for_h200(f, args):
   with bench_triton.on_abstract_h200():
-    traced = jax.jit(f).trace(*args)
-    launches = compiling.triton_launches(traced.jaxpr.jaxpr)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
+def test_every_distinct_triton_call_is_taken_out_whole(route):
+  """The calls taken out of the lowered forward and backward are the program's distinct Triton launch
+  configurations, each with its own name, each on a grid of one axis (XLA's kernel file keeps a launch's block
+  count only: `common.pallas_call`), and each a program of its own that holds the call as it was: the same
+  backend configuration (name, Triton IR, grid, warps, stages), operands and results, and nothing of its place
+  in the program. Interpret-mode kernels are none."""
+  f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
+  lowered = _lowered_for_h200(f, args)
+  calls = compiling.triton_calls(lowered)
+  text = lowered.as_text()
   _, _, configs = compile_bench.kernel_counts(text)
-  assert len(launches) == configs > 0
-  assert len({l.name for l in launches}) == len(launches)
+  assert len(calls) == configs > 0 and len({c.name for c in calls}) == len(calls)
   grids = [dict(re.findall(r"grid_([xyz]) = (\d+)", line)) for line in text.splitlines() if "xla.gpu.triton" in line]
   assert len(grids) >= configs and all(g["y"] == g["z"] == "1" for g in grids), grids
+  originals = {}
+  ops = compiling._ops  # pylint: disable=protected-access
+  for op in ops(lowered.compiler_ir("stablehlo").operation):
+    if op.name == "stablehlo.custom_call" and "xla.gpu.triton" in str(op.attributes["call_target_name"]):
+      originals.setdefault(str(op.attributes["mhlo.backend_config"]), op)
+  for call, (config, op) in zip(calls, originals.items()):
+    with mlir.make_ir_context():
+      module = ir.Module.parse(call.module)
+      [alone] = [o for o in ops(module.operation) if o.name == "stablehlo.custom_call"]
+      assert str(alone.attributes["mhlo.backend_config"]) == config
+      assert [str(v.type) for v in alone.operands] == list(call.operands) == [str(v.type) for v in op.operands]
+      assert [str(r.type) for r in alone.results] == [str(r.type) for r in op.results]
+      assert "mhlo.sharding" not in alone.attributes and "mhlo.frontend_attributes" not in alone.attributes
+    assert call.blocks == int(dict(re.findall(r"grid_([xyz]) = (\d+)", config))["x"])
   f, args = _fwd_bwd(route, Impl(quantizer="interpret"))
-  assert compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr) == []
-
-
-@pytest.mark.parametrize("route", ["nvfp4", "mxfp4"])
-def test_each_launch_reaches_a_kernels_first_compile_as_it_is_traced(route):
-  """While a kernels-first compile traces (`compiling.KernelsFirst.trace`), `common.pallas_call` hands it each
-  Triton launch as it is traced (`compiling.bind_launch`), so its kernel can compile while the rest of the program
-  traces: every launch of the program is handed over before the trace ends, and the program traced is the one
-  traced without it."""
-  f, args = _fwd_bwd(route, Impl(quantizer="pallas"))
-  seen = []
-  with bench_triton.on_abstract_h200():
-    jax.clear_caches()  # fp4jax's quantizers are jitted: a trace JAX kept would not run their launches' code
-    token = compiling._collector.set(seen.append)  # pylint: disable=protected-access  # what `trace` sets
-    try:
-      traced = jax.jit(f).trace(*args)
-    finally:
-      compiling._collector.reset(token)  # pylint: disable=protected-access
-    launches = compiling.triton_launches(traced.jaxpr.jaxpr)
-    jax.clear_caches()
-    plain = jax.jit(f).trace(*args)
-  assert launches and {(l.name, l.avals) for l in launches} <= {(l.name, l.avals) for l in seen}
-  assert str(traced.jaxpr) == str(plain.jaxpr)
+  assert compiling.triton_calls(jax.jit(f).trace(*args).lower()) == []
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is a Linux feature")
@@ -150,21 +151,73 @@ def test_kernel_threads_yield_the_cpu_to_the_tracing_thread():
   assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
-def test_a_kept_kernel_file_is_not_compiled_again(tmp_path, monkeypatch):
-  """In a kept directory a launch whose kernel file is there (from an earlier run of the same code) starts no
-  compile; one without starts one, once however often it is handed over."""
-  started = []
-  monkeypatch.setattr(compiling, "compile_alone", lambda launch, mesh, path: started.append(launch.name))
-  launch = lambda name: compiling.Launch(name, None, {"grid_mapping": "grid"}, ())
+class _Lowered:
+  """A lowered program whose compile records the kernel file it was handed, as it was when the compile began."""
+
+  def __init__(self, started: threading.Event | None = None):
+    self.started, self.seen = started, None
+
+  def compile(self, compiler_options=None):
+    path = (compiler_options or {}).get(compiling.KERNEL_CACHE_OPTION)
+    self.seen = None if path is None else pathlib.Path(path).read_bytes()
+    if self.started is not None:
+      self.started.set()
+    return "compiled"
+
+
+def _calls(*names: str) -> list:
+  return [compiling.TritonCall(n, f"digest-{n}", 1, (), n.encode() * 8) for n in names]
+
+
+def _kernels_beside(monkeypatch, tmp_path, calls, compile_alone, lowered):
+  monkeypatch.setattr(compiling, "triton_calls", lambda lowered: calls)
+  monkeypatch.setattr(compiling, "compile_alone", compile_alone)
+  traced = type("Traced", (), {"lower": lambda self: lowered})()
   with compiling.KernelsFirst(threads=2, directory=tmp_path) as first:
-    kept = tmp_path / "kernels" / (compiling._file_name(launch("k_old")) + ".bin")  # pylint: disable=protected-access
-    kept.write_bytes(b"")
-    for name in ("k_old", "k_new", "k_new"):
-      first._submit(launch(name))  # pylint: disable=protected-access  # what `bind_launch` calls while tracing
-  assert started == ["k_new"]
+    lowered_, options = first.lower(traced)
+    first.compile(lowered_, options)
+  return first.report, options
 
 
-def test_a_program_without_triton_launches_compiles_as_jax_jit_does():
+def test_the_program_compiles_beside_its_kernels_and_its_file_grows_as_each_lands(tmp_path, monkeypatch):
+  """The program's compile starts while its kernels compile alone (each waits here until it has started: a
+  `lower` that waited for them would never return), and the program's kernel file, empty at first, holds every
+  kernel once the compile ends; the report says how many compiled and when the last was ready."""
+  started = threading.Event()
+  def compile_alone(call, device, path):
+    assert started.wait(timeout=30), "the program's compile did not start beside the kernels"
+    pathlib.Path(path).write_bytes(_kernel_file((call.name, f"key-{call.name}")))
+  lowered = _Lowered(started)
+  report, options = _kernels_beside(monkeypatch, tmp_path, _calls("k1", "k2", "k3"), compile_alone, lowered)
+  assert compiling.kernel_entries(lowered.seen)[0] == []  # none had landed when the compile began
+  program = pathlib.Path(options[compiling.KERNEL_CACHE_OPTION])
+  assert [n for n, _, _ in compiling.kernel_entries(program.read_bytes())[0]] == ["k1", "k2", "k3"]
+  assert report.kernels == 3 and report.threads == 2 and report.kept == 0 and report.ready_s is not None
+
+
+def test_a_kept_kernel_file_is_not_compiled_again(tmp_path, monkeypatch):
+  """In a kept directory a call whose kernel file is there (from an earlier run) starts no compile and is in the
+  program's file from the start; a call that fails to compile alone is left to the program; a program compiled
+  before with the same kernels takes its file as it is."""
+  started, compiling_program = [], threading.Event()
+  def compile_alone(call, device, path):
+    assert compiling_program.wait(timeout=30)  # so that the program's compile sees the file as it began
+    started.append(call.name)
+    if call.name == "k_bad":
+      raise RuntimeError("no")
+    pathlib.Path(path).write_bytes(_kernel_file((call.name, "key")))
+  calls = _calls("k_old", "k_new", "k_bad")
+  (tmp_path / "kernels").mkdir()
+  (tmp_path / "kernels" / "digest-k_old-k_old.bin").write_bytes(_kernel_file(("k_old", "key")))
+  lowered = _Lowered(compiling_program)
+  report, options = _kernels_beside(monkeypatch, tmp_path, calls, compile_alone, lowered)
+  assert sorted(started) == ["k_bad", "k_new"] and report.kept == 1 and report.failed == ["k_bad: RuntimeError"]
+  assert [n for n, _, _ in compiling.kernel_entries(lowered.seen)[0]] == ["k_old"]
+  report, again = _kernels_beside(monkeypatch, tmp_path, calls, compile_alone, _Lowered(compiling_program))
+  assert again == options and report.kept == 3 and report.kernels == 0 and sorted(started) == ["k_bad", "k_new"]
+
+
+def test_a_program_without_triton_calls_compiles_as_jax_jit_does():
   fn = jax.jit(lambda x: jnp.sin(x) * 2)
   compiled, report = compiling.compile_program(fn, jnp.arange(4.0), threads=4)
   assert report.kernels == 0 and report.fallback is None
@@ -205,22 +258,24 @@ for route in ("nvfp4", "quartet2"):
   with jax.set_mesh(mesh):
     args = compile_bench._on(mesh, args)
     directory = pathlib.Path(sys.argv[1]) / route
-    jax.clear_caches()  # traced anew: each launch reaches the kernels-first compile as it is traced
-    compiled, report = compiling.compile_program(jax.jit(f), *args, threads=2, directory=directory,
-                                                 compiler_options={"xla_dump_to": str(dump / "first")})
-    # the same trace (JAX's), compiled alone: a trace of its own would put its own call sites in the kernels' IR
-    plain = jax.jit(f).trace(*args).lower().compile({"xla_dump_to": str(dump / "alone")}).as_text()
-    launches = compiling.triton_launches(jax.jit(f).trace(*args).jaxpr.jaxpr)
-    with compiling.kernels_first(jax.jit(f).trace(*args), threads=2, directory=directory) as (_, again, rerun):
-      pass  # the kept program file: nothing compiles alone, the same path (JAX's cache key)
-  [program_file] = directory.glob("program-*.bin")
-  out[route + " again"] = {"kernels": rerun.kernels, "same_file": again == {compiling.KERNEL_CACHE_OPTION:
-                                                                               str(program_file)}}
-  entries, _ = compiling.kernel_entries(program_file.read_bytes())
-  out[route] = {"same_program": compiled.as_text() == plain, "kernels": report.kernels, "traced": report.traced,
-                "launches": sorted(l.name for l in launches), "fallback": report.fallback, "failed": report.failed,
+    traced = jax.jit(f).trace(*args)  # one trace: a trace of its own would put its own call sites in the IR
+    plain = traced.lower().compile({"xla_dump_to": str(dump / "alone")}).as_text()
+    calls = compiling.triton_calls(traced.lower())
+    runs = {}
+    for run in ("beside", "kept", "again"):  # compiled beside its kernels; their files kept; the program's too
+      if run == "kept":
+        [program_file] = directory.glob("program-*.bin")
+        program_file.unlink()
+      with compiling.KernelsFirst(threads=2, directory=directory) as first:
+        lowered, options = first.lower(traced)
+        compiled = first.compile(lowered, options, {"xla_dump_to": str(dump / run)})
+      runs[run] = {"same_program": compiled.as_text() == plain, "kernels": first.report.kernels,
+                   "kept": first.report.kept, "failed": first.report.failed, "fallback": first.report.fallback,
+                   "options": options}
+    entries, _ = compiling.kernel_entries(program_file.read_bytes())
+  out[route] = {"runs": runs, "calls": sorted(c.name for c in calls), "file": str(program_file),
                 "fp4jax_entries": sorted(n for n, _, _ in entries if n.startswith("fp4jax")),
-                "launch_grids": launches_run(dump / "alone") == launches_run(dump / "first") != []}
+                "launch_grids": launches_run(dump / "alone") == launches_run(dump / "kept") != []}
 blocked = pathlib.Path(sys.argv[1]) / "a-file"
 blocked.write_text("")
 f, args = _fwd_bwd("nvfp4", Impl())
@@ -235,14 +290,14 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(not compile_bench.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU)")
-def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
-  """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward with its kernels compiled first: the
-  same optimized program as compiled alone, every launch compiled alone, none failed, and the program's kernel
-  file afterwards holds exactly those kernels under their names: XLA took each (a kernel it had compiled itself
-  would have been added under a name of its own, `name_1`), and launches each on the grid the program compiled
-  alone does (XLA's file keeps a block count only: `common.pallas_call`). A second compile with that directory
-  takes the file as it is (no kernel compiled alone, the same path). A kernel directory that cannot be made is a
-  warning, and the kernels go to a temporary one."""
+def test_h200_program_takes_every_kernel_compiled_alone(tmp_path):
+  """Compiled for an H200 (no GPU needed), fp4_dot's forward and backward beside its kernels compiled alone:
+  every call compiled alone, none failed, the same optimized program as compiled as jax.jit does. With their
+  files kept (the program's deleted) the kernels are in the program's file from the start: the program takes
+  each (a kernel it had compiled itself would have been added under a name of its own, `name_1`) and launches
+  each on the grid the program compiled alone does (XLA's file keeps a block count only: `common.pallas_call`).
+  A third compile takes the program's file as it is, at the same path (JAX's cache key). A kernel directory
+  that cannot be made is a warning, and the kernels go to a temporary one."""
   env = {**os.environ, "XLA_FLAGS": "--xla_gpu_autotune_level=0", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
   done = subprocess.run([sys.executable, "-c", _H200_KERNELS_FIRST, str(tmp_path)], capture_output=True, text=True,
                         env=env, cwd=pathlib.Path(__file__).resolve().parents[1])
@@ -250,19 +305,20 @@ def test_h200_program_takes_every_kernel_compiled_first(tmp_path):
   results = json.loads(done.stdout.strip().splitlines()[-1])
   unwritable = results.pop("unwritable")  # a directory that cannot be made: a warning, and a temporary one
   assert unwritable["warned"] and unwritable["kernels"] > 0, unwritable
-  for route in ("nvfp4", "quartet2"):
-    assert results.pop(route + " again") == {"kernels": 0, "same_file": True}, route
   for route, r in results.items():
-    assert r["same_program"] and r["fallback"] is None and not r["failed"], (route, r)
-    assert r["launch_grids"], (route, r)  # each kernel taken from the file runs on the grid it runs on alone
-    assert r["kernels"] == len(r["launches"]) > 0 and r["fp4jax_entries"] == r["launches"], (route, r)
-    assert r["traced"] == r["kernels"], (route, r)  # every one started compiling while the program traced
+    runs, calls = r["runs"], r["calls"]
+    assert all(run["same_program"] and run["fallback"] is None and not run["failed"] for run in runs.values()), r
+    assert runs["beside"]["kernels"] == len(calls) > 0 and runs["beside"]["kept"] == 0, (route, runs)
+    assert runs["kept"]["kernels"] == 0 and runs["kept"]["kept"] == len(calls), (route, runs)
+    assert r["fp4jax_entries"] == calls and r["launch_grids"], (route, r)
+    assert runs["again"]["kept"] == len(calls) and runs["again"]["kernels"] == 0, (route, runs)
+    assert {run["options"][compiling.KERNEL_CACHE_OPTION] for run in runs.values()} == {r["file"]}, (route, runs)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", ["nvfp4", "quartet2", "mxfp4"])
-def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_path):
-  """On the GPU: fp4_dot's forward and backward compiled with its kernels compiled first runs, and gives the
+def test_gpu_program_with_kernels_compiled_alone_gives_the_same_bits(route, tmp_path):
+  """On the GPU: fp4_dot's forward and backward compiled beside its kernels compiled alone runs, and gives the
   bits of the program compiled alone, on fresh random inputs (it gave NaNs and overwrote x while kernels launched
   on two grid axes, which XLA's kernel file does not keep)."""
   f, _ = _fwd_bwd(route, Impl())
@@ -273,23 +329,6 @@ def test_gpu_program_with_kernels_compiled_first_gives_the_same_bits(route, tmp_
   assert report.kernels > 0 and report.fallback is None and not report.failed
   for got, want in zip(compiled(*args), jax.jit(f)(*args)):
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-
-
-def test_standalone_args_compile_off_the_main_thread_whatever_mesh_the_jaxpr_names():
-  """A traced step's avals name an abstract mesh; a launch compiled alone, on a worker thread with no mesh, gets
-  its operands on the default device (one GPU's step), or on the caller's concrete mesh where there is one."""
-  mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
-  x = jax.device_put(jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None)))
-  aval = jax.jit(lambda x: x * 2).trace(x).jaxpr.jaxpr.invars[0].aval
-  assert compiling.standalone_arg(aval, None).sharding is None
-  on_mesh = compiling.standalone_arg(aval, mesh).sharding
-  assert on_mesh.mesh is mesh and on_mesh.spec == aval.sharding.spec
-  done = []
-  worker = threading.Thread(target=lambda: done.append(
-      jax.jit(lambda v: v + 1).trace(compiling.standalone_arg(aval, None)).lower().compile()))
-  worker.start()
-  worker.join()
-  assert len(done) == 1
 
 
 def test_a_compile_that_fails_with_the_kernel_file_compiles_again_without_it(tmp_path):
@@ -303,38 +342,38 @@ def test_a_compile_that_fails_with_the_kernel_file_compiles_again_without_it(tmp
         raise RuntimeError("cannot link cached kernels")
       return "compiled"
 
-  report = compiling.Report()
+  first = compiling.KernelsFirst()
   with pytest.warns(UserWarning, match="cannot link cached kernels"):
-    assert compiling.compile_lowered(Lowered(), {compiling.KERNEL_CACHE_OPTION: str(bad)}, report) == "compiled"
-  assert report.fallback == "RuntimeError: cannot link cached kernels" and not bad.exists()
+    assert first.compile(Lowered(), {compiling.KERNEL_CACHE_OPTION: str(bad)}) == "compiled"
+  assert first.report.fallback == "RuntimeError: cannot link cached kernels" and not bad.exists()
 
   class Broken:  # fails however it is compiled
     def compile(self, compiler_options=None):
       raise RuntimeError("the program's own error")
 
   with pytest.raises(RuntimeError, match="the program's own error"):  # no kernel file: nothing to fall back from
-    compiling.compile_lowered(Broken(), {}, compiling.Report())
+    compiling.KernelsFirst().compile(Broken(), {})
 
 
 def test_report_summary_says_how_the_kernels_compiled():
-  report = compiling.Report(kernels=13, traced=11, threads=15, kernel_s=1.25, program_s=4.0)
-  assert report.summary() == ("13 Pallas kernels compiled first (11 from their trace on) on 15 threads in 1.2 s, "
-                              "then the program in 4.0 s")
+  report = compiling.Report(kernels=13, kept=2, threads=13, ready_s=1.25, program_s=4.0)
+  assert report.summary() == ("13 Pallas kernels compiled alone on 13 threads beside the program's compile, the "
+                              "last ready 1.2 s into its 4.0 s; 2 kept from before")
   report = compiling.Report(failed=["k_1: TypeError"], fallback="XlaRuntimeError: link")
   assert report.summary() == ("1 kernels left to the program (k_1: TypeError); compiled again without them "
                               "(XlaRuntimeError: link)")
   assert compiling.Report().summary() == ""
 
 
-def test_kernels_first_is_off_unless_asked_for(monkeypatch):
-  """Kernels compiled first are opt-in (they saved 0-1 s of a 30M first call on an H100 host): the library
-  (threads=0), `train` (run.kernels_first) and `bench` (--kernels-first) compile as jax.jit does by default."""
+def test_kernels_compile_beside_the_program_unless_turned_off(monkeypatch):
+  """On by default (on an H200 host they took 1-4 s off a 30M FP4 step's compile): the library (threads=None),
+  `train` (run.kernels_first) and `bench` (--kernels-first, on unless given)."""
   from bench.__main__ import main as bench_main  # pylint: disable=g-import-not-at-top
   from train import config  # pylint: disable=g-import-not-at-top
-  assert inspect.signature(compiling.compile_program).parameters["threads"].default == 0
-  assert inspect.signature(compiling.kernels_first).parameters["threads"].default == 0
-  assert config.RunConfig().kernels_first is False
+  assert inspect.signature(compiling.compile_program).parameters["threads"].default is None
+  assert inspect.signature(compiling.KernelsFirst).parameters["threads"].default is None
+  assert config.RunConfig().kernels_first is True
   seen = {}
-  monkeypatch.setattr("bench.compile.run", lambda args: seen.setdefault("value", args.kernels_first) and 0)
-  bench_main(["compile", "--small"])
-  assert seen["value"] == "off"
+  monkeypatch.setattr("bench.compile.run", lambda args: seen.setdefault("kw", args_lib.kernels_first(args)) and 0)
+  bench_main(["--compile-cache", "off", "compile", "--small"])
+  assert seen["kw"] == {"threads": None, "directory": None}

@@ -9,7 +9,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -82,24 +81,23 @@ def test_bench_compile_kernels_on_a_cpu_finds_no_launch(capsys):
 
 
 def test_kernel_compiles_lists_each_launch_slowest_first(monkeypatch):
-  """`bench compile --kernels`: one row per distinct launch, slowest first, named without its launch digest,
-  with its grid, largest operand and equation count; the printed lines follow the rows."""
-  def launch(name, grid, shapes, eqns):
-    params = {"grid_mapping": types.SimpleNamespace(grid=grid), "jaxpr": types.SimpleNamespace(eqns=[0] * eqns)}
-    return compiling.Launch(name, None, params, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
-  launches = [launch("fp4jax_amax_0123456789abk", (8,), [(4,), (64, 32)], 10),
-              launch("fp4jax_quantize_dual_abcdefabcdefk", (16,), [(2, 16), (32, 2, 64)], 30)]
-  seconds = {launches[0].name: 0.25, launches[1].name: 0.5}
-  monkeypatch.setattr(compiling, "triton_launches", lambda jaxpr: launches)
-  monkeypatch.setattr(compiling, "compile_alone", lambda l, mesh: seconds[l.name])
-  traced = types.SimpleNamespace(jaxpr=types.SimpleNamespace(jaxpr=None))
-  rows = compile_bench.kernel_compiles(traced, None)
-  assert [(r["kernel"], r["grid"], r["shape"], r["equations"], r["seconds"]) for r in rows] == [
-      ("fp4jax_quantize_dual", (16,), (32, 2, 64), 30, 0.5), ("fp4jax_amax", (8,), (64, 32), 10, 0.25)]
+  """`bench compile --kernels`: one row per distinct Triton call, slowest first, named without its launch digest,
+  with its block count, largest operand and program size; the printed lines follow the rows."""
+  calls = [compiling.TritonCall("fp4jax_amax_0123456789abk", "d1", 8, ("tensor<4xui32>", "tensor<64x32xf32>"),
+                                b"x" * 2000),
+           compiling.TritonCall("fp4jax_quantize_dual_abcdefabcdefk", "d2", 16,
+                                ("tensor<2x16xf32>", "tensor<32x2x64xbf16>", "tensor<f32>"), b"x" * 30000)]
+  seconds = {calls[0].name: 0.25, calls[1].name: 0.5}
+  monkeypatch.setattr(compiling, "triton_calls", lambda lowered: calls)
+  monkeypatch.setattr(compiling, "compile_alone", lambda call, device: seconds[call.name])
+  rows = compile_bench.kernel_compiles(None, None)
+  assert [(r["kernel"], r["blocks"], r["operand"], r["bytes"], r["seconds"]) for r in rows] == [
+      ("fp4jax_quantize_dual", 16, "tensor<32x2x64xbf16>", 30000, 0.5),
+      ("fp4jax_amax", 8, "tensor<64x32xf32>", 2000, 0.25)]
   lines = compile_bench._kernels_lines(rows)  # pylint: disable=protected-access
   assert "2 in 0.8 s, slowest 0.50 s" in lines[0]
-  assert lines[1].split() == ["0.50", "s", "fp4jax_quantize_dual", "grid", "16", "operand", "32x2x64", "30",
-                              "equations"]
+  assert lines[1].split() == ["0.50", "s", "fp4jax_quantize_dual", "16", "blocks", "largest", "operand",
+                              "tensor<32x2x64xbf16>", "30", "kB", "of", "program"]
 
 
 def test_compile_events_single_events_sum_to_the_totals():
@@ -809,13 +807,14 @@ def test_bench_diagnose_takes_sequences_past_the_presets_length(capsys):
 
 
 def test_kernels_first_flag_sets_threads_and_keeps_kernels_beside_a_cache(capsys):
-  """`--kernels-first on|off|N` and `--compile-cache` as `fp4jax.compiling.kernels_first`'s keywords: kernel files
+  """`--kernels-first on|off|N` and `--compile-cache` as `fp4jax.compiling.KernelsFirst`'s keywords: kernel files
   beside a cache that is on, in a temporary directory otherwise; a bad value is one usage line."""
   from bench import args as args_lib  # pylint: disable=g-import-not-at-top
   ns = lambda kf, cache: argparse.Namespace(kernels_first=kf, compile_cache=cache)
   assert args_lib.kernels_first(ns("off", "off")) == {"threads": 0, "directory": None}
   assert args_lib.kernels_first(ns("6", "/tmp/c")) == {"threads": 6, "directory": pathlib.Path("/tmp/c-xla-kernels")}
   assert args_lib.kernels_first(ns("on", "/tmp/c"), cache=False) == {"threads": None, "directory": None}
+  assert args_lib.kernels_first(ns(None, "off")) == {"threads": None, "directory": None}  # not given: on
   with pytest.raises(SystemExit):
     main(["--kernels-first", "fast", "compile", "--small"])
   assert "--kernels-first takes on, off or a thread count, got 'fast'" in capsys.readouterr().err

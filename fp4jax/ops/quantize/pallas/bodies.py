@@ -27,8 +27,7 @@ import types
 from typing import Callable
 
 import jax
-
-from fp4jax import compiling
+import jax.extend
 
 _MAX_BODIES = 256
 _BODIES: collections.OrderedDict[tuple, object] = collections.OrderedDict()  # key -> kernel jaxpr, LRU
@@ -112,10 +111,9 @@ def _empty_kernel(*refs) -> None:
 
 def launch(make: Callable[[Callable], Callable], kernel: Callable, key: tuple | None, *args):
   """`make(kernel)(*args)` (`make` builds the `pl.pallas_call` of a kernel), with the kernel body traced only
-  at the first launch of `key` (None: at every launch), and handed to a kernels-first compile if one traces
-  (`fp4jax.compiling.bind_launch`)."""
+  at the first launch of `key` (None: at every launch)."""
   if key is None:
-    return compiling.bind_launch(make(kernel), *args)
+    return make(kernel)(*args)
   with _LOCK:
     body = _BODIES.get(key)
     if body is not None:
@@ -131,4 +129,4 @@ def launch(make: Callable[[Callable], Callable], kernel: Callable, key: tuple | 
     params = dict(eqn.params, jaxpr=body.replace(debug_info=eqn.params["jaxpr"].debug_info))  # its own name
     closed = closed.replace(jaxpr=closed.jaxpr.replace(
         eqns=[e.replace(params=params) if e is eqn else e for e in closed.jaxpr.eqns]))
-  return compiling.bind_jaxpr(closed, shapes, *args)
+  return jax.tree.unflatten(jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(closed)(*args))

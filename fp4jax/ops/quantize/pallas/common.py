@@ -348,7 +348,7 @@ def pallas_call(kernel: Callable, *, grid: tuple[int, ...], in_specs, out_specs,
       args = jax.lax.optimization_barrier(args)
     args = platform.vary_alike(*args)
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in args))
-    if not varying:  # the body traced once per configuration; handed to a kernels-first compile, if one traces
+    if not varying:  # the body traced once per configuration
       key = bodies.body_key(kernel, in_specs, out_specs, args, out_shape, kwargs)
       return bodies.launch(lambda k: launch(out_shape, k), kernel, key, *args)
     if kwargs.get("interpret"):
