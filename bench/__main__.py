@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--compile-cache", default="auto",
                       help=f"JAX's persistent compilation cache directory, 'off' (or 'none'), or 'auto' "
                            f"(default: auto = {platform.default_cache_dir()})")
-  parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default="off", metavar="on|off|N",
-                      help="compile a program's Pallas kernels alone, in parallel, while it lowers (on: one thread "
-                           "per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the program (off); "
-                           "fp4jax.compiling, opt-in (default: off)")
+  parser.add_argument("--kernels-first", type=args_lib.kernels_first_value, default=None, metavar="on|off|N",
+                      help="compile a program's Pallas kernels alone, in parallel, beside the program's own compile "
+                           "(on: one thread per CPU but one, none on 2 CPUs or fewer; N: on N threads) or in the "
+                           "program (off); fp4jax.compiling (default: on, for bench compile and bench step)")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (module, help_) in SUBCOMMANDS.items():
     summary = " ".join(module.__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
   platform.set_jax_options()  # an option the user set in the environment keeps its value
 
   def run():
-    if args.kernels_first != "off" and args.command not in KERNELS_FIRST:
+    if args.kernels_first is not None and args.command not in KERNELS_FIRST:
       raise UserError(f"--kernels-first is read by bench {' and '.join(KERNELS_FIRST)} (the programs they compile); "
                       f"bench {args.command} compiles without it: drop it")
     enable_compilation_cache(args.compile_cache, "--compile-cache")

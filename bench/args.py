@@ -160,11 +160,11 @@ def kernels_first_value(value: str) -> str:
 
 
 def kernels_first(args: argparse.Namespace, cache: bool = True) -> dict:
-  """`fp4jax.compiling.kernels_first`'s keywords for bench's `--kernels-first` (on: the kernels compile alone
-  first, on its default threads; N: on N threads; off: in the program, as jax.jit compiles) and
-  `--compile-cache` (the kernel files kept beside a cache that is on and `cache`, else in a temporary
-  directory)."""
-  threads = {"on": None, "off": 0}[args.kernels_first] if args.kernels_first in ("on", "off") else \
-      int(args.kernels_first)
+  """`fp4jax.compiling.KernelsFirst`'s keywords for bench's `--kernels-first` (on, the default: the kernels
+  compile alone beside the program, on its default threads; N: on N threads; off: in the program, as jax.jit
+  compiles) and `--compile-cache` (the kernel files kept beside a cache that is on and `cache`, else in a
+  temporary directory)."""
+  value = args.kernels_first or "on"  # not given: on
+  threads = {"on": None, "off": 0}[value] if value in ("on", "off") else int(value)
   return {"threads": threads,
           "directory": platform.kernel_cache_dir(platform.cache_dir(args.compile_cache)) if cache else None}

@@ -192,8 +192,8 @@ class RunConfig:
   progress: bool = True
   compile_cache: str = "auto"  # JAX's persistent compilation cache: "auto" (platform.default_cache_dir), "none"
   # (or "off"), or a path
-  kernels_first: bool = False  # compile the steps' Pallas kernels alone, in parallel, first (fp4jax.compiling;
-  # opt-in: 0-1 s saved on a 30M step's first call, docs/BENCHMARKS.md 2026-12-05 and 2026-12-07)
+  kernels_first: bool = True  # compile the steps' Pallas kernels alone, in parallel, beside the step's compile
+  # (fp4jax.compiling: 1-4 s off a 30M nvfp4 or quartet2 step's compile on an H200 host, docs/BENCHMARKS.md)
 
   def __post_init__(self):
     expand_home(self, "out_dir")
