@@ -295,7 +295,7 @@ class KernelsFirst:
     self._landed: list[pathlib.Path] = []  # the kernel files in the program's file, in the order they landed
     self._program: pathlib.Path | None = None
     self._names: set[str] = set()
-    self._last_landed = self._program_start = None
+    self._last_landed: float | None = None  # when the last kernel landed (time.perf_counter)
 
   def __enter__(self) -> KernelsFirst:
     if self.threads <= 0:
@@ -376,7 +376,7 @@ class KernelsFirst:
     alone, which it then waits for; a compile that fails with the kernel file runs again without it, with a
     warning (`report.fallback` says why), and the file is deleted."""
     base = dict(compiler_options or {})
-    t0 = self._program_start = time.perf_counter()
+    t0 = time.perf_counter()
     try:
       compiled = lowered.compile(compiler_options={**base, **options} or None)
     except Exception as e:  # pylint: disable=broad-except  # any failure with the file: compile as without it
