@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider --durations=20 tests 2>&1 | tail -45 ;;
     verify)
-      log "GPU tests of the kernels, numerics and programs compiled with their kernels first (fp4jax.compiling)"
+      log "GPU tests of the kernels, numerics and programs compiled beside their kernels (fp4jax.compiling)"
       XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -m gpu \
         -n ${TEST_WORKERS:-4} -p no:cacheprovider tests/ops/quantize tests/test_dot_kernels.py tests/numerics \
         tests/test_compiling.py 2>&1 | tail -20
@@ -53,12 +53,12 @@ for part in "${parts[@]}"; do
     compile)
       # Issue 12's measurement: each route's first call (trace + lower + compile, cold) in fresh processes, as
       # training runs it (--scan auto), medians and ratios to bf16 printed last. 30M took 111 s with REPEAT=2.
-      # KERNELS_FIRST="off on" also times them with their Pallas kernels compiled first (fp4jax.compiling;
-      # opt-in: on an H100's 16-CPU host it saved 0-1 s of the 30M first calls, 2026-12-05).
+      # KERNELS_FIRST="on off" also times them with their Pallas kernels compiled in the program instead of alone
+      # beside its compile (fp4jax.compiling, the default: 1-4 s off a 30M FP4 step's compile on an H200 host).
       for preset in ${COMPILE_PRESETS:-30m 125m 1b}; do
         case "$preset" in 30m) tokens=64x512 ;; 125m) tokens=16x1024 ;; *) tokens=8x2048 ;; esac
-        for kf in ${KERNELS_FIRST:-off}; do
-          log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens, kernels first: $kf"
+        for kf in ${KERNELS_FIRST:-on}; do
+          log "first calls, cold, ${REPEAT:-2} fresh processes each: Llama-$preset $tokens, kernels beside: $kf"
           timeout ${COMPILE_LIMIT:-300} python3 -m bench --compile-cache off --kernels-first "$kf" compile \
             --step "$preset" --tokens "$tokens" --scan auto --repeat ${REPEAT:-2} \
             --routes bf16 mxfp4 nvfp4 quartet2 2>&1 | tail -5
