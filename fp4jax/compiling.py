@@ -65,8 +65,8 @@ from fp4jax import platform
 
 KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
 TRITON_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Triton pallas_call lowers to
-# A call's attributes that place it in its program (its sharding there), not part of its kernel.
-_PLACEMENT = ("mhlo.sharding", "mhlo.frontend_attributes")
+# A call's attributes that place it in its program (its sharding there, GSPMD's or Shardy's), not its kernel.
+_PLACEMENT = ("mhlo.sharding", "mhlo.frontend_attributes", "sdy.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _alone(op, digest: str) -> TritonCall:
       main.attributes["sym_visibility"] = ir.StringAttr.get("public")
       block = main.add_entry_block()
       with ir.InsertionPoint(block):
-        attributes = {name: op.attributes[name] for name in op.attributes if name not in _PLACEMENT}
+        attributes = {name: op.attributes[name] for name in op.attributes if not name.startswith(_PLACEMENT)}
         call = ir.Operation.create("stablehlo.custom_call", results=results, operands=list(block.arguments),
                                    attributes=attributes)
         func.ReturnOp(call.results)
