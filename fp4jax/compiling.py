@@ -353,12 +353,18 @@ class KernelsFirst:
     return lowered, options
 
   def _compile_alone(self, call: TritonCall, path: pathlib.Path) -> None:
-    """Compiles `call` alone into `path` and adds it to the program's file; a failure is left to the program."""
+    """Compiles `call` alone into `path` and adds it to the program's file; a failure is left to the program.
+    XLA writes the kernel into a file of this thread's and the file is renamed into place: a process sharing a
+    kept directory reads a kernel file whole or not at all."""
+    own = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
     try:
-      compile_alone(call, self._device, str(path))
+      compile_alone(call, self._device, str(own))
+      os.replace(own, path)
     except Exception as e:  # pylint: disable=broad-except  # any failure: the program compiles the kernel itself
       with self._lock:
         self.report.failed.append(f"{call.name}: {type(e).__name__}")
+      with contextlib.suppress(OSError):
+        own.unlink()
       return
     with self._lock:
       self._landed.append(path)
