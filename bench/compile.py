@@ -17,16 +17,17 @@ preset's forward, backward and AdamW update (bf16 compute, the route on every li
 lm_head). `--h200` lowers for an abstract H200 on any machine (no compile phase): tracing and lowering are host
 work, so their seconds carry over to the GPU machine's host roughly as the CPUs compare.
 
-`--passes N` compiles under `jax.profiler` and prints the N host events of XLA's compile with the most time
-(HLO pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes),
-summed by name: where the XLA compile phase itself goes, on the machine it runs on. Then the N longest single
-events, each with its thread and its start after the first event: work on the calling thread is serial
-(the HLO passes, IR emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin, and
-each Pallas kernel's Triton pipeline) runs in parallel, so a sum over threads can exceed the wall time, and only
-the single events tell one long kernel from many short ones. A last line splits the compile by thread: the
-calling thread's span, and the pool's (its threads' busy seconds, when its first job started and its last
-ended, its longest job), so that a pool that ends long after its first job or a long job at the end shows
-what bounds the compile. Its compile seconds then include the profiler's own start and stop.
+`--passes N` compiles under `jax.profiler` and prints the N host events of XLA's compile with the most time (HLO
+pass pipelines and passes, backend and code generation; they nest, so a pipeline includes its passes), summed by
+name: where the XLA compile phase itself goes, on the machine it runs on. Then the N longest single events, each
+with its thread and its start after the first event: work on the calling thread is serial (the HLO passes, IR
+emission), work on XLA's pool threads (`tf_...`: each kernel's LLVM -> PTX -> cubin, and each Pallas kernel's
+Triton pipeline where the kernels compile in the program, `--kernels-first off`; beside it, their own threads'
+events are recorded too) runs in parallel, so a sum over threads can exceed the wall time, and only the single
+events tell one long kernel from many short ones. A last line splits the compile by thread: the calling thread's
+span, and the pool's (its threads' busy seconds, when its first job started and its last ended, its longest job),
+so that a pool that ends long after its first job or a long job at the end shows what bounds the compile. Its
+compile seconds then include the profiler's own start and stop.
 
 `--h200 --xla` compiles too, with XLA:GPU itself for an H200 target, on a machine without a GPU (deviceless
 ahead-of-time compilation; it needs JAX's CUDA plugin: `pip install "jax[cuda13]==0.11.2"`). Every phase then
@@ -48,10 +49,12 @@ of a kernel can take several times the proxy's (docs/BENCHMARKS.md, H200 session
 GPU, `--passes` shows XLA's own events (CompileModuleToLlvmIr: Triton -> LLVM, PTX->CUBIN).
 
 `--kernels` (on a GPU, or with `--h200 --xla`) then compiles each distinct Pallas launch of the program alone
-with XLA, one after another, and lists them slowest first (kernel, grid, largest operand, kernel equations,
-seconds): XLA compiles each launch as one job of its pool after the HLO passes, so on a host of many CPUs the
-slowest launch, not their sum, is what the program's compile waits for, and a kernel that compiles slowly shows
-here by name (the `triton` package's proxy above times the IR; this times XLA's own compile).
+with XLA, one after another, and lists them slowest first (kernel, block count, largest operand, size of its
+program, seconds): compiled in the program (`--kernels-first off`), XLA compiles each launch as one job of its
+pool after the HLO passes, and compiled beside it (the default) on a pool of their own from the end of the
+lowering on; either way, on a host of many CPUs the slowest launch, not their sum, is what the program's compile
+may wait for, and a kernel that compiles slowly shows here by name (the `triton` package's proxy above times the
+IR; this times XLA's own compile).
 
 `--repeat N` (with `--step`) measures each route's first call N times, each in a fresh process (what a
 training run pays when it starts), the routes interleaved round by round so that drift of the host spreads
