@@ -418,7 +418,7 @@ def kernel_compiles(lowered, mesh: jax.sharding.Mesh | None) -> list[dict]:
   program (Triton IR included) and seconds. XLA compiles each call of a program as one job of its compile pool,
   after the program's HLO passes: the slowest call bounds how soon the program's compile can end, however many
   CPUs the pool has (docs/BENCHMARKS.md, "Session of 2026-12-07, 11:24 UTC")."""
-  device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+  device = compiling.first_device(mesh)
   rows = []
   for call in compiling.triton_calls(lowered):
     operand = max(call.operands, key=lambda t: math.prod(_tensor_shape(t)))

@@ -120,13 +120,20 @@ def _alone(op, digest: str) -> TritonCall:
       main.attributes["sym_visibility"] = ir.StringAttr.get("public")
       block = main.add_entry_block()
       with ir.InsertionPoint(block):
-        attributes = {name: op.attributes[name] for name in op.attributes if not name.startswith(_PLACEMENT)}
+        attributes = {key: op.attributes[key] for key in op.attributes if not key.startswith(_PLACEMENT)}
         call = ir.Operation.create("stablehlo.custom_call", results=results, operands=list(block.arguments),
                                    attributes=attributes)
         func.ReturnOp(call.results)
     data = io.BytesIO()
     module.operation.write_bytecode(data)
   return TritonCall(name, digest, blocks, tuple(map(str, operands)), data.getvalue())
+
+
+def first_device(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None):
+  """The device a Triton call is compiled alone for: `mesh`'s first where it is a concrete mesh (an H200 compiled
+  for without one, `jax.set_mesh`), else JAX's first. A kernel's code is the same on every device of a mesh."""
+  concrete = isinstance(mesh, jax.sharding.Mesh) and not mesh.empty
+  return mesh.devices.flat[0] if concrete else jax.devices()[0]
 
 
 def compile_alone(call: TritonCall, device, kernel_file: str | None = None) -> float:
@@ -207,9 +214,14 @@ def _digest(text: str) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _own_path(path: pathlib.Path) -> pathlib.Path:
+  """A temporary file beside `path` that no other process or thread writes: renamed onto `path` once whole."""
+  return path.with_name(f"{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
+
+
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
   """Writes `path` through a temporary file and a rename: a process reading it sees the old or the new file."""
-  tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
+  tmp = _own_path(path)
   tmp.write_bytes(data)
   os.replace(tmp, path)
 
@@ -292,7 +304,7 @@ class KernelsFirst:
     self._dir: pathlib.Path | None = None
     self._keep, self._device = False, None
     self._lock = threading.Lock()
-    self._landed: list[pathlib.Path] = []  # the kernel files in the program's file, in the order they landed
+    self._landed: list[bytes] = []  # the kernel files in the program's file, in the order they landed
     self._program: pathlib.Path | None = None
     self._names: set[str] = set()
     self._last_landed: float | None = None  # when the last kernel landed (time.perf_counter)
@@ -311,9 +323,7 @@ class KernelsFirst:
     self._keep = keep
     self._dir = pathlib.Path(self.directory) if keep else pathlib.Path(tempfile.mkdtemp(prefix="fp4jax-kernels-"))
     (self._dir / "kernels").mkdir(exist_ok=True)
-    mesh = jax.sharding.get_mesh()
-    concrete = mesh is not None and not mesh.empty and isinstance(mesh, jax.sharding.Mesh)
-    self._device = mesh.devices.flat[0] if concrete else jax.devices()[0]
+    self._device = first_device(jax.sharding.get_mesh())
     return self
 
   def __exit__(self, *exc) -> None:
@@ -339,7 +349,7 @@ class KernelsFirst:
     for call in calls:
       path = self._dir / "kernels" / f"{call.digest}-{call.name}.bin"
       if path.exists():
-        self._landed.append(path)
+        self._landed.append(path.read_bytes())
       else:
         todo.append((call, path))
     self.report.kept = len(self._landed)
@@ -356,9 +366,10 @@ class KernelsFirst:
     """Compiles `call` alone into `path` and adds it to the program's file; a failure is left to the program.
     XLA writes the kernel into a file of this thread's and the file is renamed into place: a process sharing a
     kept directory reads a kernel file whole or not at all."""
-    own = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_native_id()}.tmp")
+    own = _own_path(path)
     try:
       compile_alone(call, self._device, str(own))
+      data = own.read_bytes()
       os.replace(own, path)
     except Exception as e:  # pylint: disable=broad-except  # any failure: the program compiles the kernel itself
       with self._lock:
@@ -367,13 +378,13 @@ class KernelsFirst:
         own.unlink()
       return
     with self._lock:
-      self._landed.append(path)
+      self._landed.append(data)
       self._write_program()
       self._last_landed = time.perf_counter()
 
   def _write_program(self) -> None:
     """The program's kernel file rewritten with every kernel landed so far (under `_lock`, or before the pool)."""
-    merged, _ = merge_kernel_files([p.read_bytes() for p in self._landed], self._names)
+    merged, _ = merge_kernel_files(self._landed, self._names)
     _write_atomically(self._program, merged)
 
   def compile(self, lowered: jax.stages.Lowered, options: dict,
