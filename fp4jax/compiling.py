@@ -15,7 +15,10 @@ program of its own is taken by any program that holds the same call. `KernelsFir
 takes each distinct Triton call out of its StableHLO as a program of its own (`triton_calls`), and starts
 compiling those on a thread pool, each into a file of its own; as each lands, the program's kernel file is
 rewritten (a new file renamed into place) with every kernel landed so far. The program compiles meanwhile with
-that file: a kernel that lands after XLA read it compiles in the program, as it would without. XLA reserves
+that file: a kernel that lands after XLA read it compiles in the program, as it would without. At the end of its
+compile XLA writes the file back with the program's other kernels added (its own fusions): a kernel landing after
+the program compiled leaves the file as XLA wrote it, so a later compile of the same program, its JAX cache entry
+gone, starts with all of them. XLA reserves
 every name in the file before it names new kernels and takes a cached kernel only for an equal key, so the
 program runs the code it would run otherwise.
 
@@ -308,6 +311,7 @@ class KernelsFirst:
     self._program: pathlib.Path | None = None
     self._names: set[str] = set()
     self._last_landed: float | None = None  # when the last kernel landed (time.perf_counter)
+    self._program_compiled = False  # set once the program's compile returned: its file is XLA's from then on
 
   def __enter__(self) -> KernelsFirst:
     if self.threads <= 0:
@@ -379,7 +383,8 @@ class KernelsFirst:
       return
     with self._lock:
       self._landed.append(data)
-      self._write_program()
+      if not self._program_compiled:  # after it, XLA's file holds the kernel and every kernel XLA added
+        self._write_program()
       self._last_landed = time.perf_counter()
 
   def _write_program(self) -> None:
@@ -408,6 +413,8 @@ class KernelsFirst:
         os.remove(options[KERNEL_CACHE_OPTION])
       compiled = lowered.compile(compiler_options=base or None)
     self.report.program_s = time.perf_counter() - t0
+    with self._lock:
+      self._program_compiled = True
     if self._pool is not None:
       self._pool.shutdown(wait=True)
     if self._last_landed is not None:

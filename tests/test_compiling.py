@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -182,17 +183,63 @@ def _kernels_beside(monkeypatch, tmp_path, calls, compile_alone, lowered):
 def test_the_program_compiles_beside_its_kernels_and_its_file_grows_as_each_lands(tmp_path, monkeypatch):
   """The program's compile starts while its kernels compile alone (each waits here until it has started: a
   `lower` that waited for them would never return), and the program's kernel file, empty at first, holds every
-  kernel once the compile ends; the report says how many compiled and when the last was ready."""
+  kernel when XLA writes it back at the end of the compile; the report says how many compiled and when the last
+  was ready."""
   started = threading.Event()
   def compile_alone(call, device, path):
     assert started.wait(timeout=30), "the program's compile did not start beside the kernels"
     pathlib.Path(path).write_bytes(_kernel_file((call.name, f"key-{call.name}")))
-  lowered = _Lowered(started)
+  lowered = _LoweredWritingItsFile(["k1", "k2", "k3"])
+  lowered.started = started
   report, options = _kernels_beside(monkeypatch, tmp_path, _calls("k1", "k2", "k3"), compile_alone, lowered)
   assert compiling.kernel_entries(lowered.seen)[0] == []  # none had landed when the compile began
   program = pathlib.Path(options[compiling.KERNEL_CACHE_OPTION])
-  assert [n for n, _, _ in compiling.kernel_entries(program.read_bytes())[0]] == ["k1", "k2", "k3"]
+  assert [n for n, _, _ in compiling.kernel_entries(program.read_bytes())[0]] == ["k1", "k2", "k3", "loop_fusion"]
   assert report.kernels == 3 and report.threads == 2 and report.kept == 0 and report.ready_s is not None
+
+
+def _wait_for_kernels(path: pathlib.Path, names: list[str]) -> None:
+  """Until the kernel file at `path` holds the kernels `names` (as a compile lasts while its kernels land)."""
+  deadline = time.monotonic() + 30
+  while [n for n, _, _ in compiling.kernel_entries(path.read_bytes())[0]] != names:
+    assert time.monotonic() < deadline, f"kernels {names} never landed in the program's file"
+    time.sleep(0.01)
+
+
+class _LoweredWritingItsFile(_Lowered):
+  """A lowered program whose compile lasts until the kernels `landing` are in its kernel file, and ends as XLA's
+  does: it writes the file back with a kernel of its own (one of its fusions) added, then says so (`compiled`)."""
+
+  def __init__(self, landing: list[str], compiled: threading.Event | None = None):
+    super().__init__()
+    self.landing, self.compiled = landing, compiled
+
+  def compile(self, compiler_options=None):
+    result = super().compile(compiler_options)
+    path = pathlib.Path(compiler_options[compiling.KERNEL_CACHE_OPTION])
+    _wait_for_kernels(path, self.landing)
+    path.write_bytes(path.read_bytes() + _kernel_file(("loop_fusion", "key-f")))
+    if self.compiled is not None:
+      self.compiled.set()
+    return result
+
+
+def test_a_kernel_landing_after_the_program_compiled_leaves_xlas_file_as_it_is(tmp_path, monkeypatch):
+  """A kernel that lands once the program's compile has returned keeps its own file but does not rewrite the
+  program's: that file then holds the program's other kernels, which XLA added at the end of its compile, and a
+  rewrite from the landed kernels alone would drop them (a later compile of the program would make them again)."""
+  compiled = threading.Event()
+  def compile_alone(call, device, path):
+    if call.name == "k_late":
+      assert compiled.wait(timeout=30)
+      time.sleep(0.5)  # the compile has returned: KernelsFirst.compile is waiting for this kernel
+    pathlib.Path(path).write_bytes(_kernel_file((call.name, f"key-{call.name}")))
+  report, options = _kernels_beside(monkeypatch, tmp_path, _calls("k_early", "k_late"), compile_alone,
+                                    _LoweredWritingItsFile(["k_early"], compiled))
+  program = pathlib.Path(options[compiling.KERNEL_CACHE_OPTION]).read_bytes()
+  assert [n for n, _, _ in compiling.kernel_entries(program)[0]] == ["k_early", "loop_fusion"]
+  assert (tmp_path / "kernels" / "digest-k_late-k_late.bin").exists()  # kept for the next program that has it
+  assert report.kernels == 2 and report.ready_s > report.program_s
 
 
 def test_a_kept_kernel_file_is_not_compiled_again(tmp_path, monkeypatch):
