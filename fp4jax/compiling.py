@@ -286,7 +286,8 @@ class KernelsFirst:
   thread. The kernels compile for the first device of the concrete mesh set on entry (`jax.set_mesh`; an H200
   compiled for without one), else JAX's first device.
 
-  A call that fails to compile alone is left to the program (`Report.failed`).
+  A call that fails to compile alone is left to the program (`Report.failed`), and so is one not started when the
+  program's compile returns (taken from JAX's cache, say).
   directory: where the kernel files are kept. None: a temporary directory, deleted on exit. A directory that
   persists (beside JAX's persistent compilation cache: `platform.kernel_cache_dir`) keeps each kernel's file and
   the program's, named by their digests: a call whose file is there compiles no more, and a later compile of a
@@ -416,7 +417,11 @@ class KernelsFirst:
     with self._lock:
       self._program_compiled = True
     if self._pool is not None:
-      self._pool.shutdown(wait=True)
+      # A kernel not started yet is of no use to this compile (XLA has compiled it in the program): it is not
+      # started at all, so that a program taken from JAX's cache while its kernel files were gone waits only for
+      # the kernels already compiling. The report counts the kernels that did compile alone.
+      self._pool.shutdown(wait=True, cancel_futures=True)
+      self.report.kernels = len(self._landed) - self.report.kept + len(self.report.failed)
     if self._last_landed is not None:
       self.report.ready_s = self._last_landed - t0
     return compiled

@@ -242,6 +242,22 @@ def test_a_kernel_landing_after_the_program_compiled_leaves_xlas_file_as_it_is(t
   assert report.kernels == 2 and report.ready_s > report.program_s
 
 
+def test_kernels_not_started_when_the_program_has_compiled_are_not_compiled(tmp_path, monkeypatch):
+  """A program that compiles before its kernels (taken from JAX's cache, say) waits only for the kernels already
+  compiling: those not started are left (XLA compiled them in the program), and the report counts the two that
+  ran on the two threads."""
+  compiled, started = threading.Event(), []
+  def compile_alone(call, device, path):
+    started.append(call.name)
+    assert compiled.wait(timeout=30)
+    time.sleep(0.5)  # the compile has returned: KernelsFirst.compile is waiting for the kernels
+    pathlib.Path(path).write_bytes(_kernel_file((call.name, f"key-{call.name}")))
+  report, _ = _kernels_beside(monkeypatch, tmp_path, _calls("k1", "k2", "k3", "k4"), compile_alone,
+                              _LoweredWritingItsFile([], compiled))
+  assert len(started) == 2 and report.kernels == 2 and report.threads == 2
+  assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == sorted(f"digest-{n}-{n}.bin" for n in started)
+
+
 def test_a_kept_kernel_file_is_not_compiled_again(tmp_path, monkeypatch):
   """In a kept directory a call whose kernel file is there (from an earlier run) starts no compile and is in the
   program's file from the start; a call that fails to compile alone is left to the program; a program compiled
