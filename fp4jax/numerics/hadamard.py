@@ -78,15 +78,16 @@ def sylvester(n: int) -> np.ndarray:
   return h
 
 
-def _negative_bits(kind: str, key: jax.Array | None):
-  """uint32 [n]: 1 where `kind`'s sign is -1; a NumPy array for fixed signs, drawn from `key` for random ones."""
+def _negative_bits(kind: str, key: jax.Array | None, *, barrier: bool = True):
+  """uint32 [n]: 1 where `kind`'s sign is -1; a NumPy array for fixed signs, drawn from `key` for random ones
+  (`barrier`: `prng.seed_words`')."""
   spec = _kind(kind)
   if not spec.random_signs:
     if key is not None:  # unread by fixed signs; a malformed one is still a caller's mistake, said now
       prng.check_key(key, f"Hadamard {kind=} (fixed signs: key= unused)")
     return (np.tile(np.asarray(D16, np.float32), spec.n // 16) < 0).astype(np.uint32)
   prng.check_key(key, f"random-sign Hadamard {kind=}")  # None too; seed_words would read an int's or a batch's words
-  k0, k1 = prng.seed_words(key, prng.STREAM_HADAMARD_SIGNS)
+  k0, k1 = prng.seed_words(key, prng.STREAM_HADAMARD_SIGNS, barrier=barrier)
   return prng.hash_bits(k0, k1, jax.lax.iota(jnp.uint32, spec.n)) >> 31
 
 
@@ -105,7 +106,8 @@ def negative_words(kind: str, key: jax.Array | None = None, words: int = 4) -> j
   if n > 32 * words:
     raise ValueError(f"negative_words: {kind=} has {n} signs, more than {words} words hold")
   per = min(n, 32)
-  shifted = (_negative_bits(kind, key) << (np.arange(n, dtype=np.uint32) % 32)).reshape(n // per, per)
+  negative = _negative_bits(kind, key, barrier=False)  # packed into a few words: no per-element use
+  shifted = (negative << (np.arange(n, dtype=np.uint32) % 32)).reshape(n // per, per)
   packed = jnp.asarray(shifted.sum(1, dtype=np.uint32))  # NumPy for fixed signs, XLA for random ones
   return jnp.concatenate([packed, jnp.zeros((words - n // per,), jnp.uint32)]) if words > n // per else packed
 

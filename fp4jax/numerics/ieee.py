@@ -211,6 +211,14 @@ def mul_scales(x: jax.Array, f: jax.Array, g: jax.Array) -> jax.Array:
   normal range); where that product overflowed (f huge, g tiny: a gradient near float32's maximum times a small
   weight's factor) or lost bits as a subnormal, this gives the finite, correctly scaled result. Zero, infinite
   and NaN factors multiply as themselves."""
+  if jnp.ndim(f) == 0 and jnp.ndim(g) == 0:  # per-tensor factors: the same steps on one [2] vector, not two
+    # scalar chains, and the four factors as one [4] vector (fewer XLA instructions and fusions)
+    m, e = split_pow2(jnp.stack([jnp.asarray(f, jnp.float32), jnp.asarray(g, jnp.float32)]))
+    e = e[0] + e[1]
+    half = jnp.clip(e >> 1, -126, 127)
+    factors = jax.lax.optimization_barrier(
+        jnp.concatenate([m, pow2(jnp.stack([half, jnp.clip(e - half, -126, 127)]))]))
+    return (x * factors[0]) * factors[1] * factors[2] * factors[3]
   mf, ef = split_pow2(f)
   mg, eg = split_pow2(g)
   e = ef + eg  # in [-298, 254]: halves beyond [-126, 127] only where the result is below the normal range

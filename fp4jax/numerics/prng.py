@@ -70,18 +70,22 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
   return tuple(jax.eval_shape(functools.partial(jax.random.PRNGKey, 0, impl=impl)).shape)
 
 
-def seed_words(key: jax.Array, stream: int = STREAM_ELEMENT_SR) -> tuple[jax.Array, jax.Array]:
+def seed_words(key: jax.Array, stream: int = STREAM_ELEMENT_SR, *, barrier: bool = True
+               ) -> tuple[jax.Array, jax.Array]:
   """Two uint32 seed words from a JAX PRNG key (typed or raw uint32[2]) and a stream id.
 
-  The words leave through an optimization barrier: they are a chain of cheap scalar operations (this
-  finaliser, and `fold_in`'s before it), which XLA would otherwise fuse into every consumer and recompute once
-  per element of the array being hashed (a Llama mxfp4 CPU step ran 30% slower that way)."""
+  `barrier`: the words leave through an optimization barrier. Their finaliser is a chain of scalar operations
+  that XLA would otherwise fuse into every consumer, and recompute once per element of an array hashed with
+  them (a Llama mxfp4 CPU step ran 30% slower that way). A caller whose consumer is a few words (a Pallas
+  kernel's seed input, a Hadamard's sign words) passes False: fused into that consumer, the chain costs nothing
+  per element, and it no longer needs a fusion of its own (docs/BENCHMARKS.md, "Session of 2026-12-08, 00:43
+  UTC")."""
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   data = jnp.asarray(key, jnp.uint32).reshape(-1)
   k0, k1 = data[0], data[-1]
   k0 = fmix32(k0 ^ _u32((stream * 0x632BE5AB + 0x1B873593) & 0xFFFFFFFF))
-  return jax.lax.optimization_barrier((k0, k1))
+  return jax.lax.optimization_barrier((k0, k1)) if barrier else (k0, k1)
 
 
 def hash_bits(k0, k1, counter):
@@ -106,7 +110,11 @@ def fold_in(key: jax.Array, data) -> jax.Array:
   for j in range(1, words.shape[-1]):  # absorb the rest of the key: h is a bijection of the value
     h = fmix32(h ^ words[j])
   out = [fmix32(h ^ _u32((j + 1) * 0x632BE5AB & 0xFFFFFFFF)) for j in range(words.shape[-1])]
-  derived = jnp.stack(out, axis=-1)
+  # Through a barrier: a train step derives keys from keys (a block's linears, then each linear's operands),
+  # and XLA otherwise merges a layer's derivations, with what their seed words feed, into multi-output fusions
+  # of hundreds of scalar instructions, which its fusion pass grows one instruction at a time, re-analysing each
+  # at every step (docs/BENCHMARKS.md, "Session of 2026-12-08, 00:43 UTC").
+  derived = jax.lax.optimization_barrier(jnp.stack(out, axis=-1))
   return jax.random.wrap_key_data(derived, impl=jax.random.key_impl(key)) if typed else derived
 
 

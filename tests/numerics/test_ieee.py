@@ -147,6 +147,21 @@ def test_mul_scales_has_no_overflow_or_underflow_on_the_way():
   assert np.isinf(_numpy_mul(_numpy_mul(x[0], f[0]), g[0]))  # what the plain products give
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mul_scales_of_per_tensor_factors_is_the_elementwise_form(seed):
+  """Scalar f and g (one factor per tensor, its own vectorized path) give the bits of the elementwise form, for
+  every pattern of f and g (subnormal, zero, infinite, NaN ones included): under vmap each pair is scalar, and
+  once more for an array x with a few special pairs."""
+  f, g = _cases(seed)
+  x = (np.random.default_rng(seed).standard_normal(f.size) * 1e3).astype(np.float32)
+  _assert_bits_equal(jax.jit(jax.vmap(ieee.mul_scales))(x, f, g), jax.jit(ieee.mul_scales)(x, f, g))
+  pairs = [(1.26e35, 1.5e-6), (1e-42, 1e30), (0.0, np.inf), (np.nan, 1.0), (2.0**-149, 2.0**127)]
+  for a, b in pairs:
+    fa, gb = np.float32(a), np.float32(b)
+    _assert_bits_equal(jax.jit(ieee.mul_scales)(x, fa, gb),
+                       jax.jit(ieee.mul_scales)(x, np.full_like(x, fa), np.full_like(x, gb)))
+
+
 @pytest.mark.gpu
 def test_div_on_gpu_is_correctly_rounded():
   """XLA's `/` on NVIDIA GPUs is div.full.f32 (within 2 ulps); ieee.div must not depend on it, in any of the

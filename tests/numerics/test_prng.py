@@ -43,6 +43,18 @@ def test_keys_and_streams():
   assert (a != prng.uniform(KEY, (1000,), stream=prng.STREAM_SCALE_SR)).mean() > 0.99
 
 
+@pytest.mark.parametrize("stream", [prng.STREAM_ELEMENT_SR, prng.STREAM_SCALE_SR, prng.STREAM_HADAMARD_SIGNS])
+def test_seed_words_without_the_barrier_are_the_same_words(stream):
+  """barrier=False (what the kernels' seed inputs take) gives the same words, and leaves no barrier to XLA."""
+  key = prng.fold_in(jax.random.key(7), 3)
+  with_barrier = jax.jit(lambda k: prng.seed_words(k, stream))(key)
+  without = jax.jit(lambda k: prng.seed_words(k, stream, barrier=False))(key)
+  assert [int(w) for w in with_barrier] == [int(w) for w in without]
+  jaxpr = str(jax.make_jaxpr(lambda k: prng.seed_words(k, stream, barrier=False))(key))
+  assert "optimization_barrier" not in jaxpr
+  assert "optimization_barrier" in str(jax.make_jaxpr(lambda k: prng.seed_words(k, stream))(key))
+
+
 def test_matches_numpy_reimplementation():
   counters = np.arange(0, 1 << 32, 9973 * 997, dtype=np.uint64).astype(np.uint32)
   for stream in (prng.STREAM_ELEMENT_SR, prng.STREAM_SCALE_SR, prng.STREAM_HADAMARD_SIGNS):

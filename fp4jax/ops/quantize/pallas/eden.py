@@ -234,7 +234,7 @@ def operand(x: jax.Array, spec: OperandSpec, axis: int, keys: OperandKeys, *,
   # Built inside the concatenate, as the zero word always was: an unsplit launch's program stays the same.
   offset = lambda: (jnp.zeros((1,), jnp.uint32) if counter_offset is None else
                     jnp.asarray(counter_offset, jnp.uint32).reshape(1))
-  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR)), words,
+  params = jnp.concatenate([jnp.stack(prng.seed_words(key, prng.STREAM_SCALE_SR, barrier=False)), words,
                             jax.lax.bitcast_convert_type(s_dec, jnp.uint32)[None], offset()])
   # To the K-major layout: [other / bc, n, bc] -> [other, n].
   codes, scales, *t = (a.transpose(0, 2, 1).reshape(other, -1) for a in _eden_call(x, params, cfg))

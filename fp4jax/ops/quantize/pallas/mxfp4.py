@@ -251,7 +251,7 @@ def _dual_call(x: jax.Array, params: jax.Array | None, cfg: DualConfig):
 def _seed_words(key: jax.Array | None, view: str) -> tuple[jax.Array, jax.Array]:
   if key is None:
     raise ValueError(f"rounding='sr' in the {view} view needs a key")
-  return prng.seed_words(key, prng.STREAM_ELEMENT_SR)
+  return prng.seed_words(key, prng.STREAM_ELEMENT_SR, barrier=False)
 
 
 def views(x: jax.Array, row: OperandSpec, col: OperandSpec, row_keys: OperandKeys = OperandKeys(),
