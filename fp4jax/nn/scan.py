@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -144,18 +145,23 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
     first = jnp.int32(first_layer)  # traced, as in the loop, so that the same residuals are kept
     specs = []
 
-    def residuals(*args):
-      stored = layer(*args)[1]
-      # Each stack's sharding from the traced value: eval_shape gives some outputs none (cuDNN's attention, a
-      # pure_callback) where the value has the context's mesh, and the stack must match what is written into it.
+    def traced_layer(*args):
+      out, stored = layer(*args)
+      # Each stack's sharding from the traced value: abstract shapes give some outputs none (cuDNN's attention,
+      # a pure_callback) where the value has the context's mesh, and the stack must match what is written into it.
       specs[:] = [_spec(x, stacked=True) for x in stored]
-      return stored
+      return out, stored
 
-    avals = jax.eval_shape(residuals, h, read(stacked, 0), invariants, first)
+    # The layer is traced once: its jaxpr gives the stacks' shapes and is the loop's body, which replays it.
+    # (Traced for the shapes and again in the loop, an FP4 Llama layer cost a tenth of a train step's trace:
+    # docs/BENCHMARKS.md, "Session of 2026-12-08, 00:43 UTC".)
+    closed, (_, avals) = jax.make_jaxpr(traced_layer, return_shape=True)(h, read(stacked, 0), invariants, first)
+    out_tree, replay = jax.tree.structure((h, avals)), jax.extend.core.jaxpr_as_fun(closed)
 
     def step(i, carry):
       h, stacks = carry
-      h, stored = layer(h, read(stacked, i), invariants, first_layer + i)
+      args = jax.tree.leaves((h, read(stacked, i), invariants, first_layer + i))
+      h, stored = jax.tree.unflatten(out_tree, replay(*args))
       return h, _write(stacks, stored, i)
 
     stacks = [_empty((length, *a.shape), a.dtype, spec) for a, spec in zip(avals, specs)]

@@ -206,3 +206,17 @@ def test_read_as_casts_each_slice_in_the_loop():
                                   allow_int=True))(master)
   empties = [e.outvars[0].aval.str_short(short_dtypes=True) for e in jaxpr.eqns if e.primitive.name == "empty"]
   assert f"bf16[{L},{D},{D}]" in empties and f"f32[{L},{D},{D}]" not in empties, empties
+
+
+def test_a_layer_is_traced_once_under_grad():
+  """The forward's stacks take their shapes from the loop body's own trace: one trace of the layer per
+  differentiated call (an FP4 layer's trace is most of a train step's)."""
+  traces = []
+
+  def body(h, params, invariants, layer):
+    traces.append(layer)
+    return _body(h, params, invariants, layer)
+
+  value, _ = _value_and_grads(scan.run_layers, body)
+  assert np.isfinite(value)
+  assert len(traces) == 1
