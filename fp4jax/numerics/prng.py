@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _GOLDEN = 0x9E3779B9
 # Distinct streams drawn from one key, folded into the first seed word.
@@ -35,14 +36,17 @@ def _u32(v):
   return jnp.uint32(v)
 
 
+def _xor_shift(h, bits: int):
+  return jax.lax.bitwise_xor(h, jax.lax.shift_right_logical(h, np.uint32(bits)))
+
+
 def fmix32(h):
-  """murmur3's 32-bit finaliser (a bijection on uint32)."""
-  h = h ^ (h >> 16)
-  h = h * _u32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * _u32(0xC2B2AE35)
-  h = h ^ (h >> 16)
-  return h
+  """murmur3's 32-bit finaliser (a bijection on uint32 arrays). In `jax.lax` operations rather than operators:
+  the same equations, but each `jax.numpy` operator is a call of its own to trace, and a train step traces a few
+  hundred finalisers (docs/BENCHMARKS.md, "Session of 2026-12-08, 00:43 UTC")."""
+  h = jax.lax.mul(_xor_shift(h, 16), np.uint32(0x85EBCA6B))
+  h = jax.lax.mul(_xor_shift(h, 13), np.uint32(0xC2B2AE35))
+  return _xor_shift(h, 16)
 
 
 def check_key(key, what: str) -> None:
