@@ -155,8 +155,8 @@ def run_layers(body: Callable[..., jax.Array], h: jax.Array, stacked: Any, invar
     # The layer is traced once: its jaxpr gives the stacks' shapes and is the loop's body, which replays it.
     # (Traced for the shapes and again in the loop, an FP4 Llama layer cost a tenth of a train step's trace:
     # docs/BENCHMARKS.md, "Session of 2026-12-08, 00:43 UTC".)
-    closed, (_, avals) = jax.make_jaxpr(traced_layer, return_shape=True)(h, read(stacked, 0), invariants, first)
-    out_tree, replay = jax.tree.structure((h, avals)), jax.extend.core.jaxpr_as_fun(closed)
+    closed, shapes = jax.make_jaxpr(traced_layer, return_shape=True)(h, read(stacked, 0), invariants, first)
+    avals, out_tree, replay = shapes[1], jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(closed)
 
     def step(i, carry):
       h, stacks = carry

@@ -211,20 +211,23 @@ def mul_scales(x: jax.Array, f: jax.Array, g: jax.Array) -> jax.Array:
   normal range); where that product overflowed (f huge, g tiny: a gradient near float32's maximum times a small
   weight's factor) or lost bits as a subnormal, this gives the finite, correctly scaled result. Zero, infinite
   and NaN factors multiply as themselves."""
-  if jnp.ndim(f) == 0 and jnp.ndim(g) == 0:  # per-tensor factors: the same steps on one [2] vector, not two
-    # scalar chains, and the four factors as one [4] vector (fewer XLA instructions and fusions)
-    m, e = split_pow2(jnp.stack([jnp.asarray(f, jnp.float32), jnp.asarray(g, jnp.float32)]))
-    e = e[0] + e[1]
-    half = jnp.clip(e >> 1, -126, 127)
-    factors = jax.lax.optimization_barrier(
-        jnp.concatenate([m, pow2(jnp.stack([half, jnp.clip(e - half, -126, 127)]))]))
-    return (x * factors[0]) * factors[1] * factors[2] * factors[3]
-  mf, ef = split_pow2(f)
-  mg, eg = split_pow2(g)
-  e = ef + eg  # in [-298, 254]: halves beyond [-126, 127] only where the result is below the normal range
-  half = jnp.clip(e >> 1, -126, 127)
   # The four factors leave their scalar (or per-row) chain through a barrier: fused into x's elementwise
   # consumer, the chain was recomputed per element and analysed anew by XLA's priority fusion for each GEMM
   # output of a program (docs/BENCHMARKS.md, "Session of 2026-12-07, 00:24 UTC"; `params._stage` says more).
-  mf, mg, low, high = jax.lax.optimization_barrier((mf, mg, pow2(half), pow2(jnp.clip(e - half, -126, 127))))
+  if jnp.ndim(f) == 0 and jnp.ndim(g) == 0:  # per-tensor factors: the same steps on one [2] vector, not two
+    # scalar chains, and the four factors as one [4] vector (fewer XLA instructions and fusions)
+    m, e = split_pow2(jnp.stack([jnp.asarray(f, jnp.float32), jnp.asarray(g, jnp.float32)]))
+    factors = jax.lax.optimization_barrier(jnp.concatenate([m, pow2(jnp.stack(_exponent_halves(e[0] + e[1])))]))
+    return (x * factors[0]) * factors[1] * factors[2] * factors[3]
+  mf, ef = split_pow2(f)
+  mg, eg = split_pow2(g)
+  low, high = _exponent_halves(ef + eg)
+  mf, mg, low, high = jax.lax.optimization_barrier((mf, mg, pow2(low), pow2(high)))
   return (x * mf) * mg * low * high
+
+
+def _exponent_halves(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`mul_scales`' summed exponent e in [-298, 254] as two halves in [-126, 127], each a normal power of two;
+  they sum to e but where the result is below the normal range."""
+  half = jnp.clip(e >> 1, -126, 127)
+  return half, jnp.clip(e - half, -126, 127)
